@@ -1,0 +1,157 @@
+"""ModelConfig, the named presets, and the closed-form parameter count."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+INIT_SCHEMES = ("gpt2", "kaiming", "xavier", "small")
+CHECKPOINTING = ("off", "attention", "block")
+# alibi_kernels.alibi_attention accepts head dims in this range (its Triton tiles need D >= 16).
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+@dataclass
+class ModelConfig:
+    """Every size and switch of the decoder-only ALiBi transformer, flat and validated.
+
+    `n_kv_head=None` means one key/value head per query head (plain multi-head attention);
+    fewer KV heads is grouped-query attention. `d_ff=None` picks 4 * d_model for gelu and
+    8/3 * d_model (rounded up to a multiple of 64) for swiglu, which keeps the MLP's
+    parameter count about equal. `context_length` is the training length: ALiBi has no
+    hard limit, so longer inputs still run.
+
+    Example:
+        >>> cfg = ModelConfig.from_preset("tiny", n_kv_head=2)
+        >>> cfg.head_dim
+        16
+    """
+
+    vocab_size: int = 32000
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None
+    d_model: int = 768
+    d_ff: int | None = None
+    context_length: int = 1024
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    init: str = "gpt2"
+    learnable_slopes: bool = False
+    checkpointing: str = "off"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "context_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if not isinstance(self.n_kv_head, int) or self.n_kv_head < 1:
+            raise ValueError(f"ModelConfig.n_kv_head must be a positive int or None, got {self.n_kv_head!r}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"ModelConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
+                "(each KV head serves a whole group of query heads)"
+            )
+        if self.d_model % self.n_head != 0:
+            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if not MIN_HEAD_DIM <= self.d_model // self.n_head <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"ModelConfig.d_model / n_head = {self.d_model // self.n_head} (the head dim) must be in "
+                f"{MIN_HEAD_DIM}..{MAX_HEAD_DIM}, the range alibi_kernels supports"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model if self.activation == "gelu" else 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if not isinstance(self.d_ff, int) or self.d_ff < 1:
+            raise ValueError(f"ModelConfig.d_ff must be a positive int or None, got {self.d_ff!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"ModelConfig.norm must be one of {NORMS}, got {self.norm!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+            raise ValueError(f"ModelConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in INIT_SCHEMES:
+            raise ValueError(f"ModelConfig.init must be one of {INIT_SCHEMES}, got {self.init!r}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"ModelConfig.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        for name in ("bias", "tie_embeddings", "learnable_slopes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.attention_backend, str):
+            raise ValueError(f"ModelConfig.attention_backend must be a str, got {self.attention_backend!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """The preset `name` from PRESETS with `overrides` applied, e.g. `from_preset("1.3b", vocab_size=50257)`."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every field (what config.json holds)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from a dict; an unknown key is an error naming it (a typo must not be silently ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**values)
+
+
+# Named sizes. The GPT-3 paper's shapes (Brown et al. 2020, table 2.1) with the write-up's 32000-token
+# SentencePiece vocabulary and its 1024-token training context; 1.3b follows FACTS (16 heads of 128).
+# The counts these give come from n_params(); see the README table, never state them from memory.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Unit tests: GQA-capable (4 heads), a few thousand parameters.
+    "tiny": dict(vocab_size=97, n_layer=2, n_head=4, d_model=64, context_length=32),
+    # What two CPU cores train in minutes (TinyShakespeare). The app may tune this entry.
+    "cpu-small": dict(vocab_size=2048, n_layer=4, n_head=4, d_model=256, context_length=256),
+    "125m": dict(n_layer=12, n_head=12, d_model=768),
+    "350m": dict(n_layer=24, n_head=16, d_model=1024),
+    "760m": dict(n_layer=24, n_head=16, d_model=1536),
+    "1.3b": dict(n_layer=24, n_head=16, d_model=2048),
+    "2.7b": dict(n_layer=32, n_head=32, d_model=2560),
+}
+
+
+def n_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
+    """The number of trainable parameters GPT(config) has, from a closed form (no model is built).
+
+    With `non_embedding=True` the token embedding and an untied output head are left out
+    (the convention of the scaling-law papers). Learnable slopes count n_head per layer.
+
+    Example:
+        >>> n_params(ModelConfig.from_preset("125m"))  # doctest: +SKIP
+    """
+    d, ff, v, b = config.d_model, config.d_ff, config.vocab_size, int(config.bias)
+    kv = config.n_kv_head * config.head_dim
+    norm = d * (2 if config.norm == "layernorm" and config.bias else 1)
+    attention = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)  # q, k, v, o
+    n_in = 1 if config.activation == "gelu" else 2  # up (+ gate for swiglu)
+    mlp = (n_in + 1) * d * ff + b * (n_in * ff + d)  # in projections + down
+    slopes = config.n_head if config.learnable_slopes else 0
+    per_layer = attention + mlp + 2 * norm + slopes
+    body = config.n_layer * per_layer + norm  # + final norm
+    if non_embedding:
+        return body
+    head = 0 if config.tie_embeddings else v * d
+    return body + v * d + head

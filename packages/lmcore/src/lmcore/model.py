@@ -1,0 +1,214 @@
+"""The decoder-only transformer: ALiBi attention (no position embedding), pre-norm blocks, optional GQA.
+
+Parameter names follow the Llama/HF layout (`layers.3.self_attn.o_proj.weight`), so the
+write-up's per-group clipping patterns (`layers.*.self_attn.o_proj`) apply unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from alibi_kernels import alibi_attention, alibi_slopes
+from lmcore.config import ModelConfig
+from lmcore.init_schemes import initialize
+
+
+class LMOutput(NamedTuple):
+    logits: Tensor  # (B, T, vocab_size)
+    loss: Tensor | None  # mean cross-entropy over labels != -100, or None without labels
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far, each (B, n_kv_head, T_cached, head_dim).
+
+    Pass the same object to successive `GPT.forward(..., kv_cache=cache)` calls; each call appends.
+
+    Example:
+        >>> cache = KVCache(model.config.n_layer)  # doctest: +SKIP
+        >>> model(prompt, kv_cache=cache); model(next_token, kv_cache=cache)  # doctest: +SKIP
+    """
+
+    def __init__(self, n_layer: int) -> None:
+        self.keys: list[Tensor | None] = [None] * n_layer
+        self.values: list[Tensor | None] = [None] * n_layer
+
+    def __len__(self) -> int:
+        """The number of cached positions."""
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append this step's (B, Hkv, T, D) keys/values to `layer` and return everything cached so far."""
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019); computed in fp32 so bf16 inputs keep their scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.backend = config.attention_backend
+        self.checkpoint_core = config.checkpointing == "attention"
+        kv_dim = self.n_kv_head * self.head_dim
+        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
+        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
+        self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        slopes = alibi_slopes(self.n_head).float()  # (H,)
+        if config.learnable_slopes:
+            # Log-parameterised so a slope stays positive (a negative one would favour distant tokens).
+            self.log_slopes = nn.Parameter(slopes.log())
+        else:
+            # Not persistent: derived from n_head, so checkpoints do not carry it.
+            self.register_buffer("slopes", slopes, persistent=False)
+
+    def head_slopes(self) -> Tensor:
+        """The per-head ALiBi slopes (H,) in fp32, whatever dtype the module was cast to."""
+        return self.log_slopes.float().exp() if hasattr(self, "log_slopes") else self.slopes.float()
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor) -> Tensor:
+        return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend)
+
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if kv_cache is not None:
+            # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
+        slopes = self.head_slopes()
+        if self.checkpoint_core and self.training and torch.is_grad_enabled():
+            # Recompute only the attention core in backward (Korthikanti et al.'s "selective" recompute).
+            y = checkpoint(self._attend, q, k, v, slopes, use_reentrant=False)
+        else:
+            y = self._attend(q, k, v, slopes)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        up = self.up_proj(x)  # (B, T, d_ff)
+        h = F.silu(self.gate_proj(x)) * up if self.swiglu else F.gelu(up)  # (B, T, d_ff)
+        return self.dropout(self.down_proj(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+        x = x + self.self_attn(self.attn_norm(x), kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model with ALiBi attention.
+
+    Example:
+        >>> model = GPT(ModelConfig.from_preset("tiny"))
+        >>> ids = torch.randint(0, 97, (2, 16))
+        >>> out = model(ids, labels=ids)  # labels already aligned: labels[t] is the target of position t
+        >>> out.logits.shape, out.loss.ndim
+        (torch.Size([2, 16, 97]), 0)
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"GPT(config) needs a ModelConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = make_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        initialize(self, config.init)
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, kv_cache: KVCache | None = None) -> LMOutput:
+        """Logits for every position and, with `labels`, the mean cross-entropy over labels != -100.
+
+        `labels[t]` is the target of position t (the caller shifts). With `kv_cache`, `input_ids`
+        continue the cached sequence and the cache is extended in place.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
+            raise ValueError(
+                f"input_ids hold ids in [{int(input_ids.min())}, {int(input_ids.max())}] but "
+                f"vocab_size={self.config.vocab_size}: the tokenizer and the model config disagree"
+            )
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)
+        checkpoint_blocks = self.config.checkpointing == "block" and self.training and torch.is_grad_enabled()
+        for layer in self.layers:
+            if checkpoint_blocks and kv_cache is None:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x, kv_cache)
+        logits = self.lm_head(self.norm(x))  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().long(), ignore_index=-100)
+        return LMOutput(logits, loss)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write `model.safetensors` and `config.json` into `directory` (created if needed)."""
+        from lmcore.pretrained import save_pretrained
+
+        return save_pretrained(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> GPT:
+        """Rebuild a model saved by `save_pretrained`; a weight/config mismatch raises ValueError naming the key."""
+        from lmcore.pretrained import load_pretrained
+
+        return load_pretrained(cls, directory, map_location)
