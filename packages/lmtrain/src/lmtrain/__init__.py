@@ -1,4 +1,7 @@
-"""The integration app: prepare, train, evaluate, generate and preflight checks for an ALiBi LM on a 4x4 RTX 3090 cluster."""
+"""The integration app: prepare, train, evaluate, generate, preflight checks and a demo for ALiBi GPT models.
+
+The 4 x 4 RTX 3090 cluster kit lives in tools/cluster-3090/ of the repository.
+"""
 
 from lmtrain.version import __version__
 

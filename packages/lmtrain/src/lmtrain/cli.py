@@ -1,0 +1,174 @@
+"""The `lmtrain` command line: prepare, train, eval, generate, doctor, demo.
+
+The flags below are relied on by users' scripts; keep them. Each subcommand's work lives in its own module,
+imported only when that subcommand runs, so that `lmtrain --help` stays fast and works even where torch or
+DeepSpeed are slow to import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lmtrain.version import __version__
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="train a tokenizer on text files and encode train/val token files",
+        description="Train a SentencePiece tokenizer on the training text, encode both splits with tokbin and "
+        "write DATA_DIR/meta.json (files, token and byte counts, bytes per token).",
+    )
+    p.add_argument("--text", nargs="+", required=True, metavar="FILE", help="training text file(s)")
+    p.add_argument("--out", required=True, metavar="DATA_DIR", help="output directory")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-text", nargs="+", metavar="FILE", help="validation text file(s)")
+    val.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="fraction of the training text's characters (taken from its end) held out for validation "
+        "when --val-text is not given (default 0.1)",
+    )
+    p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size (default: tuned, see docs)")
+    p.add_argument(
+        "--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"], help="SentencePiece model type"
+    )
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model on a prepared data directory",
+        description="Single process by default; under torchrun or the deepspeed launcher it trains on all ranks "
+        "(RANK, WORLD_SIZE, LOCAL_RANK from the environment).",
+    )
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="directory written by `lmtrain prepare`")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (metrics, checkpoints, plots)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", default=None, help="lmcore preset name (default cpu-small)")
+    model.add_argument("--model-config", default=None, metavar="config.json", help="model config JSON file")
+    p.add_argument("--deepspeed", default=None, metavar="ds_config.json", help="train with DeepSpeed and this config")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps to train")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="bound on training wall-clock; ends with a final checkpoint and evaluation",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
+    p.add_argument("--gpumon", action="store_true", help="record GPU (or host) metrics into RUN_DIR/gpumon.jsonl")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="key=value",
+        help="override any field of the model or training config, e.g. --set save_every=10 --set precision=fp32",
+    )
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="sliding-window evaluation of a text file",
+        description="Evaluate the run's latest checkpoint on a text file with the run's tokenizer, in sliding "
+        "windows over the whole text (every token scored exactly once).",
+    )
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
+    p.add_argument("--text", required=True, metavar="FILE", help="text file to evaluate")
+    p.add_argument("--context", type=int, default=None, help="window length in tokens (default: training length)")
+    p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: context / 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--repeat", type=int, default=1, metavar="N", help="repeat the evaluation N times per seed")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="seeds; each shifts the window grid by a seed-derived offset (protocol: mean and std over all runs)",
+    )
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="preflight checks for a (multi-node) training run",
+        description="One line per check: OK, WARN or FAIL with the fix. Exits non-zero on any FAIL.",
+    )
+    p.add_argument("--hostfile", default=None, metavar="FILE", help="hostfile (first host is the master)")
+    p.add_argument("--preset", default=None, help="preset whose memory estimate is checked against the GPUs")
+    p.add_argument("--data", default=None, metavar="DATA_DIR", help="prepared data directory to verify")
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train a small model on this machine's Python standard library source (no download)",
+        description="Builds a corpus from the Python standard library source, prepares it, trains cpu-small on "
+        "CPU, evaluates, prints a sample and writes the loss plot.",
+    )
+    p.add_argument("--time-budget", type=float, default=180.0, metavar="SECONDS", help="training time (default 180)")
+    p.add_argument(
+        "--out", default="lmtrain-demo", metavar="DIR", help="where to write data and run (default ./lmtrain-demo)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `lmtrain`.
+
+    Example:
+        >>> build_parser().parse_args(["train", "--data", "d", "--out", "r", "--set", "log_every=1"]).overrides
+        ['log_every=1']
+    """
+    parser = argparse.ArgumentParser(
+        prog="lmtrain",
+        description="Train ALiBi GPT models: prepare data, train, evaluate, generate, preflight checks, demo.",
+    )
+    parser.add_argument("--version", action="version", version=f"lmtrain {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_doctor, _add_demo):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `lmtrain` command; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    # Lazy imports: each subcommand pulls in only what it needs.
+    if args.command == "prepare":
+        from lmtrain.prepare_data import run_prepare as run
+    elif args.command == "train":
+        from lmtrain.train_run import run_train as run
+    elif args.command == "eval":
+        from lmtrain.evaluate import run_eval as run
+    elif args.command == "generate":
+        from lmtrain.sample import run_generate as run
+    elif args.command == "doctor":
+        from lmtrain.doctor import run_doctor as run
+    else:
+        from lmtrain.demo import run_demo as run
+    from lmtrain.errors import LmtrainError
+
+    try:
+        return int(run(args) or 0)
+    except LmtrainError as err:
+        print(f"lmtrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""`lmtrain doctor`: preflight checks before a (multi-node) run, one line each: OK, WARN or FAIL with the fix.
+
+The checks cover what the write-up's troubleshooting list ran into: versions, the GPUs (through gpumon), NCCL
+settings for PCIe cards without InfiniBand, the master address and port (firewalls), the token files (a `.bin`
+corrupted by a concurrent writer, ids beyond the vocabulary), the memory estimate against the GPUs, free disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import importlib
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+GiB = 2**30
+# A ZeRO-2 checkpoint holds bf16 weights + fp32 master weights + two fp32 Adam moments (14 bytes per
+# parameter, summed over the shards) plus the consolidated fp32 model (4 bytes): 18 bytes per parameter.
+CHECKPOINT_BYTES_PER_PARAM = 18
+
+
+@dataclass
+class Check:
+    """One result line: status, the thing checked, what was found, and the fix when not OK."""
+
+    status: str
+    name: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f"  -> {self.fix}" if self.fix and self.status != OK else ""
+        return f"{self.status:<4} {self.name:<18} {self.detail}{fix}"
+
+
+def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """Hosts and slots from a DeepSpeed-style hostfile (`host slots=N`, `#` comments).
+
+    Example:
+        >>> read_hostfile("tools/cluster-3090/hostfile")[0]  # doctest: +SKIP
+        ('node1', 4)
+    """
+    hosts = []
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("#", 1)[0].split()
+        if not line:
+            continue
+        slots = 1
+        for token in line[1:]:
+            if token.startswith("slots="):
+                slots = int(token.split("=", 1)[1])
+        hosts.append((line[0], slots))
+    return hosts
+
+
+def check_versions() -> list[Check]:
+    checks = []
+    py = platform.python_version()
+    ok = sys.version_info >= (3, 10)
+    checks.append(Check(OK if ok else FAIL, "python", py, "use Python 3.10 or newer"))
+    for module, required in (("torch", True), ("deepspeed", False), ("triton", False)):
+        try:
+            mod = importlib.import_module(module)
+            checks.append(Check(OK, module, getattr(mod, "__version__", "?")))
+        except Exception as exc:  # deepspeed raises more than ImportError when its accelerator is broken
+            status = FAIL if required else WARN
+            why = "needed for --deepspeed" if module == "deepspeed" else "needed for the fused GPU attention kernel"
+            fix = f"pip install {module} ({why})" if not required else "pip install torch"
+            checks.append(Check(status, module, f"not importable: {str(exc).splitlines()[0][:120]}", fix))
+    return checks
+
+
+def check_gpus(expected_per_node: int | None) -> tuple[list[Check], list[dict]]:
+    import gpumon
+
+    try:
+        gpus = gpumon.devices()
+    except gpumon.NVMLUnavailable as exc:
+        return [
+            Check(WARN, "gpus", f"none: {exc}", "fine for CPU runs; on a GPU node install the NVIDIA driver"),
+            Check(WARN, "bf16", "no GPU to check", "bf16 needs compute capability >= 8.0 (RTX 3090: 8.6)"),
+        ], []
+    if not gpus:
+        return [Check(WARN, "gpus", "NVML sees no visible GPU", "check CUDA_VISIBLE_DEVICES")], []
+    names = sorted({g["name"] for g in gpus})
+    mem = min(g["memory_total"] for g in gpus) / GiB
+    checks = [Check(OK, "gpus", f"{len(gpus)} x {', '.join(names)}, {mem:.1f} GiB each (smallest)")]
+    if expected_per_node is not None and len(gpus) != expected_per_node:
+        checks[0] = Check(
+            FAIL,
+            "gpus",
+            f"{len(gpus)} visible but the hostfile gives slots={expected_per_node}",
+            "fix the hostfile's slots= or CUDA_VISIBLE_DEVICES (a wrong world size fails the rendezvous)",
+        )
+    caps = [g.get("compute_capability") for g in gpus]
+    low = [c for c in caps if c is None or float(c) < 8.0]
+    if low:
+        checks.append(Check(WARN, "bf16", f"compute capability {caps}", "bf16 needs >= 8.0: use --set precision=fp16"))
+    else:
+        checks.append(Check(OK, "bf16", f"supported (compute capability {', '.join(sorted(set(caps)))})"))
+    return checks, gpus
+
+
+def check_nccl_env(multi_node: bool) -> list[Check]:
+    env = os.environ
+    checks = []
+    has_ib = Path("/sys/class/infiniband").is_dir() and any(Path("/sys/class/infiniband").iterdir())
+    if env.get("NCCL_IB_DISABLE") == "1":
+        checks.append(Check(OK, "NCCL_IB_DISABLE", "1 (no InfiniBand: sockets)"))
+    elif has_ib:
+        checks.append(Check(OK, "NCCL_IB_DISABLE", "unset; InfiniBand devices present"))
+    else:
+        checks.append(
+            Check(WARN, "NCCL_IB_DISABLE", "unset and no InfiniBand device", "source tools/cluster-3090/env.sh")
+        )
+    ifname = env.get("NCCL_SOCKET_IFNAME")
+    if ifname:
+        names = [n.lstrip("^=") for n in ifname.split(",")]
+        missing = [n for n in names if not ifname.startswith("^") and not any(Path("/sys/class/net").glob(n + "*"))]
+        if missing:
+            checks.append(
+                Check(FAIL, "NCCL_SOCKET_IFNAME", f"{ifname}: no such interface {missing}", "see `ip -br addr`")
+            )
+        else:
+            checks.append(Check(OK, "NCCL_SOCKET_IFNAME", ifname))
+    else:
+        status = WARN if multi_node else OK
+        checks.append(
+            Check(status, "NCCL_SOCKET_IFNAME", "unset", "set it to the inter-node interface (env.sh picks it)")
+        )
+    legacy = env.get("NCCL_ASYNC_ERROR_HANDLING")
+    modern = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    if legacy == "0" or modern == "0":
+        checks.append(
+            Check(
+                FAIL,
+                "async errors",
+                "asynchronous NCCL error handling is off: a dead rank hangs every other rank",
+                "unset NCCL_ASYNC_ERROR_HANDLING and set TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+            )
+        )
+    else:
+        checks.append(Check(OK, "async errors", f"TORCH_NCCL_ASYNC_ERROR_HANDLING={modern or 'default (on)'}"))
+    if "NCCL_MIN_NRINGS" in env:
+        checks.append(
+            Check(WARN, "NCCL_MIN_NRINGS", "set but obsolete (ignored)", "unset it; NCCL_MIN_NCHANNELS replaced it")
+        )
+    if env.get("NCCL_P2P_DISABLE") == "1":
+        checks.append(
+            Check(OK, "NCCL_P2P_DISABLE", "1 (only needed where PCIe P2P is reported but broken; slower otherwise)")
+        )
+    return checks
+
+
+def check_master(hosts: list[tuple[str, int]], timeout: float = 3.0) -> list[Check]:
+    addr = os.environ.get("MASTER_ADDR") or (hosts[0][0] if hosts else None)
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if not addr:
+        return [Check(OK, "master", "single node (no hostfile, MASTER_ADDR unset)")]
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError as exc:
+        return [Check(FAIL, "master", f"{addr} does not resolve: {exc}", "fix /etc/hosts or use the IP address")]
+    local = {"127.0.0.1", "0.0.0.0"}
+    with contextlib.suppress(OSError):  # a host whose own name does not resolve still has loopback
+        local |= set(socket.gethostbyname_ex(socket.gethostname())[2])
+    if ip in local or addr == socket.gethostname():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("", port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return [Check(WARN, "master", f"this host; port {port} is in use", "a job already running?")]
+                return [Check(FAIL, "master", f"cannot bind port {port}: {exc}", "pick another MASTER_PORT")]
+        return [Check(OK, "master", f"this host ({ip}); port {port} free (open it to the other nodes)")]
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return [Check(OK, "master", f"{addr} ({ip}):{port} reachable")]
+    except ConnectionRefusedError:
+        return [Check(WARN, "master", f"{addr} ({ip}) reachable, nothing listens on {port} yet", "start the master")]
+    except OSError as exc:
+        return [
+            Check(
+                FAIL,
+                "master",
+                f"{addr} ({ip}):{port} unreachable: {exc}",
+                f"open TCP {port} in the master's firewall (e.g. `sudo ufw allow {port}/tcp`)",
+            )
+        ]
+
+
+def check_data(data_dir: str | None) -> list[Check]:
+    if not data_dir:
+        return [Check(WARN, "data", "no --data given: token files not verified", "lmtrain doctor --data DATA_DIR")]
+    import tokbin
+
+    meta_path = Path(data_dir) / "meta.json"
+    if not meta_path.is_file():
+        return [Check(FAIL, "data", f"{meta_path} missing", f"lmtrain prepare --out {data_dir} ...")]
+    meta = json.loads(meta_path.read_text())
+    tokenizer = Path(data_dir) / meta["tokenizer"]
+    checks = []
+    for split in ("train", "val"):
+        path = Path(data_dir) / meta[split]["file"]
+        try:
+            tokbin.TokenFile(path).verify(tokenizer)
+            checks.append(Check(OK, f"data/{split}", f"{path} verified ({meta[split]['tokens']:,} tokens)"))
+        except (tokbin.TokenFileError, OSError) as exc:
+            checks.append(Check(FAIL, f"data/{split}", str(exc).splitlines()[0], "re-run lmtrain prepare"))
+    return checks
+
+
+def check_memory(preset: str | None, gpus: list[dict]) -> tuple[list[Check], int | None]:
+    if not preset:
+        return [Check(OK, "memory", "no --preset given: memory estimate skipped")], None
+    from lmtrain.model_setup import estimate_run_memory
+
+    try:
+        n_params, per_gpu = estimate_run_memory(preset, n_gpus=max(1, len(gpus)))
+    except ValueError as exc:
+        return [Check(FAIL, "memory", str(exc), "lmtrain doctor --preset with a known preset")], None
+    need = f"{per_gpu / GiB:.1f} GiB per GPU for {preset} ({n_params / 1e6:.0f}M parameters)"
+    if not gpus:
+        return [Check(WARN, "memory", f"{need}; no GPU to compare", "")], n_params
+    have = min(g["memory_total"] for g in gpus)
+    if per_gpu > have:
+        fix = "use ZeRO offload, activation checkpointing (--set checkpointing=block) or a smaller micro_batch"
+        return [Check(FAIL, "memory", f"{need} > {have / GiB:.1f} GiB", fix)], n_params
+    status = WARN if per_gpu > 0.9 * have else OK
+    return [Check(status, "memory", f"{need} of {have / GiB:.1f} GiB", "little headroom: lower micro_batch")], n_params
+
+
+def check_disk(n_params: int | None, where: str | os.PathLike) -> list[Check]:
+    where = Path(where).resolve()
+    while not where.exists():  # the run directory may not exist yet: its filesystem is the parent's
+        where = where.parent
+    usage = shutil.disk_usage(where)
+    free = usage.free / GiB
+    if n_params is None:
+        status = WARN if free < 10 else OK
+        return [Check(status, "disk", f"{free:.1f} GiB free at {where}", "free space for checkpoints")]
+    per_ckpt = n_params * CHECKPOINT_BYTES_PER_PARAM / GiB
+    need = 3 * per_ckpt  # keep_last=2 plus the one being written
+    status = FAIL if free < per_ckpt else WARN if free < need else OK
+    return [
+        Check(
+            status,
+            "disk",
+            f"{free:.1f} GiB free at {where}; a checkpoint is about {per_ckpt:.1f} GiB",
+            f"free at least {need:.0f} GiB or lower keep_last",
+        )
+    ]
+
+
+def _guarded(name: str, check, *args):
+    """Run one check; a check that crashes is reported as WARN (a doctor bug must not hide the other checks)."""
+    try:
+        return check(*args)
+    except Exception as exc:
+        return [Check(WARN, name, f"could not check: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")]
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Run every check, print one line each, return 1 if any FAILed."""
+    hosts = read_hostfile(args.hostfile) if args.hostfile else []
+    data_dir = getattr(args, "data", None)
+    checks = _guarded("versions", check_versions)
+    gpus: list[dict] = []
+    result = _guarded("gpus", check_gpus, hosts[0][1] if hosts else None)
+    if isinstance(result, tuple):
+        result, gpus = result
+    checks += result
+    checks += _guarded("nccl", check_nccl_env, len(hosts) > 1)
+    checks += _guarded("master", check_master, hosts)
+    checks += _guarded("data", check_data, data_dir)
+    n_params = None
+    result = _guarded("memory", check_memory, args.preset, gpus)
+    if isinstance(result, tuple):
+        result, n_params = result
+    checks += result
+    checks += _guarded("disk", check_disk, n_params, data_dir or ".")
+    for check in checks:
+        print(check.line())
+    counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL)}
+    print(f"doctor: {counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL")
+    return 1 if counts[FAIL] else 0

@@ -1,0 +1,105 @@
+"""What a user gets without flags: per-preset training defaults and the app's own data settings.
+
+The numbers for `cpu-small` and `prepare`'s vocabulary size come from the TinyShakespeare benchmark runs recorded
+in docs/benchmarks.md (`tools/bench_shakespeare.py`); the large presets carry the write-up's recipe (peak lr 3e-4,
+500 warmup steps from 1e-6, cosine to 1e-6 over 10000 steps, bf16). A `--set key=value` overrides any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# `lmtrain prepare --vocab-size` default (BPE): see docs/benchmarks.md for the sizes tried.
+DEFAULT_VOCAB_SIZE = 2048
+DEFAULT_VAL_FRACTION = 0.1
+DEFAULT_PRESET = "cpu-small"
+
+# The write-up's schedule for the GPU presets.
+_WRITEUP = dict(lr=3e-4, min_lr=1e-6, warmup_steps=500, schedule="cosine", t_max=10_000, max_steps=10_000,
+                precision="bf16", save_every=1000, log_every=10, eval_every=1000, eval_batches=50)  # fmt: skip
+
+# TrainConfig fields per preset (only those that differ from trainloop's own defaults).
+TRAIN_RECIPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=10,
+        max_steps=200,
+        micro_batch=8,
+        log_every=10,
+        eval_every=0,
+        eval_batches=4,
+        precision="fp32",
+    ),  # fmt: skip
+    "cpu-small": dict(
+        lr=2e-3,
+        min_lr=1e-4,
+        warmup_steps=50,
+        max_steps=100_000,
+        micro_batch=16,
+        grad_accum=1,
+        precision="fp32",
+        log_every=10,
+        eval_every=0,
+        eval_batches=20,
+        save_every=0,
+        weight_decay=0.1,
+        clip=1.0,
+    ),  # fmt: skip
+    "125m": dict(_WRITEUP, micro_batch=16, grad_accum=2),
+    "350m": dict(_WRITEUP, micro_batch=8, grad_accum=4),
+    "760m": dict(_WRITEUP, micro_batch=4, grad_accum=8),
+    "1.3b": dict(_WRITEUP, micro_batch=2, grad_accum=4),
+    "2.7b": dict(_WRITEUP, micro_batch=1, grad_accum=8),
+}
+
+
+@dataclass
+class DataConfig:
+    """The app's own settings between the token files and the trainer (overridable with `--set`).
+
+    `seq_len=None` trains at the model's `context_length`. `sampler` is "random" (i.i.d. windows, nanoGPT's
+    recipe) or "epoch" (every window once per epoch, shuffled). With a `--time-budget` and no `--max-steps`, the
+    speed of `calibrate_steps` throw-away steps sizes `max_steps` (and so the cosine decay) to the budget.
+
+    Example:
+        >>> DataConfig(seq_len=128).sampler
+        'random'
+    """
+
+    seq_len: int | None = None
+    sampler: str = "random"
+    prefetch: int = 3
+    calibrate_steps: int = 5
+
+    def __post_init__(self) -> None:
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
+            raise ValueError(f"DataConfig.seq_len must be an int >= 2 or None, got {self.seq_len!r}")
+        if self.sampler not in ("random", "epoch"):
+            raise ValueError(f"DataConfig.sampler must be 'random' or 'epoch', got {self.sampler!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ValueError(f"DataConfig.prefetch must be an int >= 1, got {self.prefetch!r}")
+        if not isinstance(self.calibrate_steps, int) or self.calibrate_steps < 1:
+            raise ValueError(f"DataConfig.calibrate_steps must be an int >= 1, got {self.calibrate_steps!r}")
+
+
+# DataConfig per preset.
+DATA_RECIPES: dict[str, dict[str, Any]] = {
+    "cpu-small": dict(seq_len=None),
+}
+
+
+def train_recipe(preset: str | None) -> dict[str, Any]:
+    """TrainConfig field values for `preset` (empty for an unknown name or a config file).
+
+    Example:
+        >>> train_recipe("1.3b")["warmup_steps"]
+        500
+    """
+    return dict(TRAIN_RECIPES.get(preset or "", {}))
+
+
+def data_recipe(preset: str | None) -> dict[str, Any]:
+    """DataConfig field values for `preset`."""
+    return dict(DATA_RECIPES.get(preset or "", {}))
