@@ -1,5 +1,28 @@
-"""Fused causal attention with ALiBi positions: Triton kernels (forward and backward) and a plain-PyTorch path."""
+"""Fused causal attention with ALiBi positions: Triton kernels (forward and backward) and a plain-PyTorch path.
 
+Example:
+    >>> import torch
+    >>> from alibi_kernels import alibi_attention, alibi_slopes
+    >>> q = torch.randn(2, 8, 64, 32); k = v = torch.randn(2, 8, 64, 32)
+    >>> out = alibi_attention(q, k, v, alibi_slopes(8))  # (2, 8, 64, 32), causal by default
+"""
+
+from alibi_kernels.attention import BACKENDS, alibi_attention, triton_unavailable_reason
+from alibi_kernels.attention_torch import alibi_attention_torch, bias_cache_info, clear_bias_cache
+from alibi_kernels.reference import alibi_attention_reference, alibi_bias
+from alibi_kernels.slopes import alibi_slopes, alibi_slopes_list
 from alibi_kernels.version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "BACKENDS",
+    "__version__",
+    "alibi_attention",
+    "alibi_attention_reference",
+    "alibi_attention_torch",
+    "alibi_bias",
+    "alibi_slopes",
+    "alibi_slopes_list",
+    "bias_cache_info",
+    "clear_bias_cache",
+    "triton_unavailable_reason",
+]

@@ -1,0 +1,158 @@
+"""The torch path: PyTorch SDPA with an additive ALiBi bias, cached per shape, chunked over queries for long T.
+
+GQA/MQA never copies k/v: the Hq = Hkv * G query heads are folded into the query axis,
+q (B, Hq, Tq, D) -> (B, Hkv, G * Tq, D), so each k/v head is attended by its G query heads in one SDPA call
+(works on every torch version and every SDPA backend, unlike `enable_gqa`, which needs torch >= 2.5).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from alibi_kernels.validation import AttentionShape, check_attention_inputs
+
+__all__ = ["alibi_attention_torch", "bias_cache_info", "clear_bias_cache", "MAX_BIAS_ELEMENTS"]
+
+# A bias larger than this many elements (16 MiB in fp32) is not cached: queries are processed in chunks whose
+# bias stays below it, so memory grows as O(T) per chunk row instead of O(T^2).
+MAX_BIAS_ELEMENTS = 1 << 22
+_CACHE_MAX_ENTRIES = 16
+
+
+class _BiasCache:
+    """A small thread-safe LRU cache of bias tensors keyed by (Tq, Tk, slopes, causal, dtype, device)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple, build) -> torch.Tensor:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return self._entries[key]
+        bias = build()
+        with self._lock:
+            self.misses += 1
+            self._entries[key] = bias
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return bias
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+
+_CACHE = _BiasCache(_CACHE_MAX_ENTRIES)
+
+
+def bias_cache_info() -> dict[str, int]:
+    """Hits, misses and size of the torch path's bias cache (for tests and tuning).
+
+    Example:
+        >>> sorted(bias_cache_info())
+        ['hits', 'max_entries', 'misses', 'size']
+    """
+    return {
+        "hits": _CACHE.hits,
+        "misses": _CACHE.misses,
+        "size": len(_CACHE._entries),
+        "max_entries": _CACHE.max_entries,
+    }
+
+
+def clear_bias_cache() -> None:
+    """Drop every cached bias tensor (they may hold GPU memory)."""
+    _CACHE.clear()
+
+
+def _bias_block(
+    slopes_2d: torch.Tensor, row_pos0: int, n_rows: int, n_keys: int, causal: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """-slope * (pos_i - pos_j) for rows at positions row_pos0.. and keys 0..n_keys-1: (S, Hq, n_rows, n_keys)."""
+    device = slopes_2d.device
+    pos_i = torch.arange(row_pos0, row_pos0 + n_rows, device=device)
+    pos_j = torch.arange(n_keys, device=device)
+    distance = (pos_j[None, :] - pos_i[:, None]).to(dtype)  # (rows, keys), exact integers in every float dtype used
+    bias = slopes_2d.to(dtype)[:, :, None, None] * distance
+    if causal:
+        bias = bias.masked_fill(distance > 0, float("-inf"))
+    return bias
+
+
+def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    # (S, Hq, R, K) -> (S, Hkv, G * R, K): query head h = hkv * G + g, matching the folded q layout.
+    s, hq, r, k = bias.shape
+    return bias.reshape(s, kv_heads, (hq // kv_heads) * r, k)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    # CPU half-precision matmuls are slow and round the bias; fp32 there is both faster and closer to float64.
+    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return q.dtype
+
+
+def _attend(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, shape: AttentionShape, scale):
+    """SDPA of q rows (B, Hq, R, D) against k/v (B, Hkv, K, D) with bias (S, Hkv, G*R, K) -> (B, Hq, R, D)."""
+    b, hq, r, d = q_rows.shape
+    q_folded = q_rows.reshape(b, shape.kv_heads, shape.group * r, d)  # (B, Hkv, G*R, D)
+    out = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=bias, scale=scale)
+    return out.reshape(b, hq, r, d)
+
+
+def alibi_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """ALiBi attention on the torch path (any device). Same contract as `alibi_attention(..., backend="torch")`.
+
+    Example:
+        >>> q = torch.randn(2, 4, 8, 16); kv = torch.randn(2, 2, 8, 16)
+        >>> alibi_attention_torch(q, kv, kv).shape
+        torch.Size([2, 4, 8, 16])
+    """
+    shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    dtype = _compute_dtype(q)
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    n_slope_rows = slopes_2d.shape[0]
+    tq, tk, off = shape.q_len, shape.k_len, shape.offset
+
+    if n_slope_rows * shape.q_heads * tq * tk <= MAX_BIAS_ELEMENTS:
+
+        def build() -> torch.Tensor:
+            return _grouped(_bias_block(slopes_2d, off, tq, tk, causal, dtype), shape.kv_heads)
+
+        if slopes_2d.requires_grad:
+            bias = build()  # rebuilt every call so the gradient reaches the slopes
+        else:
+            key = (tq, tk, shape.kv_heads, causal, dtype, str(q.device), tuple(slopes_2d.detach().flatten().tolist()))
+            key += (slopes_2d.shape,)
+            bias = _CACHE.get(key, build)
+        return _attend(qc, kc, vc, bias, shape, scale).to(q.dtype)
+
+    # Long sequences: query chunks, each against only the keys it can see (causal) with its own small bias.
+    rows = max(1, MAX_BIAS_ELEMENTS // (n_slope_rows * shape.q_heads * tk))
+    outs = []
+    for start in range(0, tq, rows):
+        stop = min(tq, start + rows)
+        n_keys = min(tk, stop + off) if causal else tk
+        bias = _grouped(_bias_block(slopes_2d, start + off, stop - start, n_keys, causal, dtype), shape.kv_heads)
+        outs.append(_attend(qc[:, :, start:stop], kc[:, :, :n_keys], vc[:, :, :n_keys], bias, shape, scale))
+    return torch.cat(outs, dim=2).to(q.dtype)  # (B, Hq, Tq, D)

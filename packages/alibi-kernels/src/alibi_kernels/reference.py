@@ -1,0 +1,63 @@
+"""Plain, materialised ALiBi attention: the yardstick every backend is tested against.
+
+It builds the full (B, Hq, Tq, Tk) score matrix, so it is only meant for tests and small benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alibi_kernels.validation import check_attention_inputs
+
+__all__ = ["alibi_attention_reference", "alibi_bias"]
+
+
+def alibi_bias(
+    slopes: torch.Tensor, q_len: int, k_len: int, *, causal: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The additive score bias -slope * (pos_i - pos_j), -inf above the diagonal when causal.
+
+    slopes: (S, H) with S = 1 or B. Returns (S, H, Tq, Tk) in `dtype`; queries sit at pos_i = i + Tk - Tq.
+
+    Example:
+        >>> alibi_bias(torch.tensor([[0.5]]), 2, 3, causal=True, dtype=torch.float32, device="cpu")[0, 0]
+        tensor([[-0.5000, 0.0000,   -inf],
+                [-1.0000, -0.5000, 0.0000]])
+    """
+    pos_i = torch.arange(k_len - q_len, k_len, device=device, dtype=dtype)  # (Tq,)
+    pos_j = torch.arange(k_len, device=device, dtype=dtype)  # (Tk,)
+    distance = pos_j[None, :] - pos_i[:, None]  # (Tq, Tk), <= 0 on and below the diagonal
+    bias = slopes.to(dtype)[:, :, None, None] * distance  # (S, H, Tq, Tk)
+    if causal:
+        bias = bias.masked_fill(distance > 0, float("-inf"))
+    return bias
+
+
+def alibi_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """ALiBi attention computed the obvious way in `compute_dtype` (float64 by default); returns compute_dtype.
+
+    With `compute_dtype=q.dtype` it is "PyTorch's own same-dtype math", the baseline of the FlashAttention
+    tolerance rule. GQA repeats k/v per query head here (clarity over memory).
+
+    Example:
+        >>> q = k = v = torch.randn(1, 2, 4, 16)
+        >>> alibi_attention_reference(q, k, v).shape
+        torch.Size([1, 2, 4, 16])
+    """
+    shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    k = k.repeat_interleave(shape.group, dim=1)  # (B, Hq, Tk, D)
+    v = v.repeat_interleave(shape.group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hq, Tq, Tk)
+    bias = alibi_bias(slopes_2d, shape.q_len, shape.k_len, causal=causal, dtype=compute_dtype, device=q.device)
+    probs = torch.softmax(scores + bias, dim=-1)
+    return torch.matmul(probs, v)  # (B, Hq, Tq, D)

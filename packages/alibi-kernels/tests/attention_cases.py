@@ -1,0 +1,56 @@
+"""Shared helpers for the attention tests: inputs, float64 references and the tolerance rules."""
+
+from __future__ import annotations
+
+import torch
+
+from alibi_kernels import alibi_attention_reference
+
+# fp32 against float64: relative to the largest magnitude of the reference (outputs and grads are O(1)).
+FP32_RTOL = 1e-5
+FP32_GRAD_RTOL = 3e-5  # gradients sum T products of O(1) terms: a few more roundings than the output
+
+
+def make_inputs(b, hq, hkv, tq, tk, d, *, dtype=torch.float32, layout="bhtd", per_batch_slopes=False, seed=0):
+    """Random q, k, v, grad-output and slopes; layout "bthd" gives non-contiguous (B, H, T, D) views."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(h, t):
+        if layout == "bthd":
+            return torch.randn(b, t, h, d, generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(b, h, t, d, generator=gen).to(dtype)
+
+    q, k, v, do = rand(hq, tq), rand(hkv, tk), rand(hkv, tk), rand(hq, tq)
+    slopes = torch.rand((b, hq) if per_batch_slopes else (hq,), generator=gen) * 0.9 + 0.01
+    return q, k, v, do, slopes
+
+
+def forward_backward(fn, q, k, v, do, slopes, *, causal, slopes_grad=False, **kwargs):
+    """Output and gradients (dq, dk, dv[, dslopes]) of fn on leaf copies of the inputs."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    s = slopes.detach().clone().requires_grad_(slopes_grad)
+    out = fn(*leaves, s, causal=causal, **kwargs)
+    out.backward(do.to(out.dtype))
+    grads = [t.grad for t in leaves] + ([s.grad] if slopes_grad else [])
+    return out.detach(), grads
+
+
+def reference_fwd_bwd(q, k, v, do, slopes, *, causal, slopes_grad=False, compute_dtype=torch.float64):
+    def ref(q, k, v, s, causal):
+        return alibi_attention_reference(q, k, v, s, causal=causal, compute_dtype=compute_dtype)
+
+    qc, kc, vc, doc = (t.detach().to(compute_dtype) for t in (q, k, v, do))
+    return forward_backward(ref, qc, kc, vc, doc, slopes.to(torch.float64), causal=causal, slopes_grad=slopes_grad)
+
+
+def assert_fp32_close(name, actual, expected, rtol=FP32_RTOL):
+    err = (actual.double() - expected.double()).abs().max().item()
+    bound = rtol * max(expected.abs().max().item(), 1.0)
+    assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g} (rtol {rtol} of max |ref|)"
+
+
+def assert_within_twice_torch_error(name, actual, expected64, torch_same_dtype, floor=1e-6):
+    """The FlashAttention rule: error vs float64 at most 2x PyTorch's own same-dtype math error."""
+    err = (actual.double() - expected64).abs().max().item()
+    base = (torch_same_dtype.double() - expected64).abs().max().item()
+    assert err <= 2 * base + floor, f"{name}: error {err:.3g} > 2 x torch's own error {base:.3g}"

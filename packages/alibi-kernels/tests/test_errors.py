@@ -1,0 +1,80 @@
+"""Every bad input raises a ValueError that names the argument and the shapes found."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alibi_kernels import alibi_attention
+
+
+def qkv(b=2, hq=4, hkv=2, tq=8, tk=8, d=16, dtype=torch.float32):
+    return (
+        torch.randn(b, hq, tq, d, dtype=dtype),
+        torch.randn(b, hkv, tk, d, dtype=dtype),
+        torch.randn(b, hkv, tk, d, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda: (torch.randn(4, 8, 16), *qkv()[1:]), r"q must have rank 4 .* got shape \(4, 8, 16\)"),
+        (lambda: (qkv()[0], torch.randn(2, 2, 8, 16, 1), qkv()[2]), r"k must have rank 4"),
+        (lambda: (*qkv()[:2], torch.randn(2, 2, 9, 16)), r"k and v must have the same shape .*\(2, 2, 9, 16\)"),
+        (lambda: (qkv()[0], *qkv(b=3)[1:]), r"batch size mismatch: q \(2, 4, 8, 16\) has B=2, k \(3, 2, 8, 16\)"),
+        (lambda: (qkv()[0], *qkv(d=32)[1:]), r"head dim mismatch: q \(2, 4, 8, 16\) has D=16, k .* D=32"),
+        (lambda: qkv(hq=6, hkv=4), r"multiple of k/v heads.*Hq=6.*Hkv=4"),
+        (lambda: qkv(d=8), r"head dim D=8 of q \(2, 4, 8, 8\) is outside 16..256"),
+        (lambda: qkv(d=320), r"head dim D=320 .* outside 16..256"),
+        (lambda: qkv(tq=9, tk=8), r"Tq must be <= Tk: q \(2, 4, 9, 16\) has Tq=9, k \(2, 2, 8, 16\) has Tk=8"),
+        (lambda: qkv(tq=0), r"sequence lengths must be >= 1"),
+        (lambda: (qkv()[0], qkv()[1].double(), qkv()[2]), r"share one dtype, got q torch.float32, k torch.float64"),
+        (lambda: (qkv()[0].long(), *qkv()[1:]), r"q must be a floating-point tensor"),
+        (lambda: (qkv()[0], qkv()[1].to("meta"), qkv()[2]), r"one device, got q on cpu, k on meta"),
+    ],
+)
+def test_bad_tensors_raise_value_error_naming_them(backend, make, pattern):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=pattern):
+        alibi_attention(q, k, v, backend=backend)
+
+
+@pytest.mark.parametrize(
+    ("slopes", "pattern"),
+    [
+        (torch.ones(3), r"slopes must have shape \(Hq,\)=\(4,\) or \(B, Hq\)=\(2, 4\), got \(3,\)"),
+        (torch.ones(4, 2), r"got \(4, 2\)"),
+        (torch.ones(1, 2, 4), r"got \(1, 2, 4\)"),
+        (torch.ones(4, dtype=torch.float16), r"slopes must be float32 or float64, got torch.float16"),
+        (torch.ones(4, device="meta"), r"slopes must be on q's device cpu, got meta"),
+        ([0.5] * 4, r"slopes must be a torch.Tensor"),
+    ],
+)
+def test_bad_slopes_raise_value_error(slopes, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        alibi_attention(*qkv(), slopes)
+
+
+def test_non_causal_allows_more_queries_than_keys():
+    q, k, v = qkv(tq=9, tk=4)
+    assert alibi_attention(q, k, v, causal=False, backend="torch").shape == q.shape
+
+
+def test_bad_backend_and_scale():
+    with pytest.raises(ValueError, match=r"backend must be one of .*'cuda'"):
+        alibi_attention(*qkv(), backend="cuda")
+    with pytest.raises(ValueError, match=r"softmax_scale must be a positive number, got -1.0"):
+        alibi_attention(*qkv(), softmax_scale=-1.0)
+
+
+def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1.*backend='torch'"):
+        alibi_attention(*qkv(), backend="triton")
+
+
+def test_auto_on_cpu_uses_the_torch_path_even_under_the_interpreter():
+    q, k, v = qkv()
+    assert torch.equal(alibi_attention(q, k, v), alibi_attention(q, k, v, backend="torch"))
