@@ -1,0 +1,252 @@
+"""Batch samplers: which windows each batch reads. Every batch is a pure function of (seed, step, rank, world_size).
+
+A sampler yields ``(starts, seq_len)``: a (B,) int64 array of window starts and the window length T; the window
+reads ``T + 1`` tokens so targets can be shifted by one. Because batch ``k`` depends only on the configuration
+and ``k``, ``state_dict()`` is the step counter plus the configuration it is valid for, and a resumed run sees
+exactly the batches it would have seen. Distributed ranks take interleaved slices of one global batch stream, so
+their samples are disjoint and their union is the single-process stream of a ``world_size``-times larger batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+_CHUNK_STEPS = 64  # random batches drawn per generator: seeding a Generator costs more than drawing a batch
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+
+
+class _Sampler:
+    """Step counter, iteration and state handling shared by the samplers."""
+
+    step: int
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        raise NotImplementedError
+
+    def _config(self) -> dict:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
+        while True:
+            out = self.batch(self.step)
+            self.step += 1
+            yield out
+
+    def state_dict(self) -> dict:
+        """JSON-able state: the next step and the configuration it belongs to."""
+        return {"step": self.step, **self._config()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved state; raises ValueError if it came from a sampler configured differently."""
+        mine = self._config()
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise ValueError(f"{type(self).__name__} state: {key} is {state[key]!r}, this sampler has {value!r}")
+        if int(state["step"]) < 0:
+            raise ValueError(f"{type(self).__name__} state: step must be >= 0, got {state['step']}")
+        self.step = int(state["step"])
+
+
+class RandomWindows(_Sampler):
+    """Windows at uniformly random starts, with replacement; rank r of W takes rows r, r+W, ... of the global batch.
+
+    Example::
+
+        s = RandomWindows(tf.n_tokens, seq_len=1024, batch_size=16, seed=0)
+        starts, T = s.batch(0)  # starts.shape == (16,), T == 1024
+    """
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+        _check_rank(rank, world_size)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        if n_tokens < seq_len + 1:
+            raise ValueError(f"n_tokens ({n_tokens}) must be >= seq_len + 1 ({seq_len + 1})")
+        self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step = 0
+        self._chunk_index = -1
+        self._chunk: np.ndarray | None = None
+
+    def _config(self) -> dict:
+        keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
+        return {k: getattr(self, k) for k in keys}
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        chunk_index, row = divmod(step, _CHUNK_STEPS)
+        if chunk_index != self._chunk_index:
+            rng = np.random.default_rng([self.seed, chunk_index])
+            high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
+            self._chunk = rng.integers(0, high, size=(_CHUNK_STEPS, self.batch_size * self.world_size))
+            self._chunk_index = chunk_index
+        return self._chunk[row, self.rank :: self.world_size], self.seq_len
+
+
+class EpochWindows(_Sampler):
+    """Non-overlapping windows, reshuffled every epoch; every window (hence every input token) once per epoch.
+
+    Window i starts at ``i * seq_len``. Each epoch's permutation comes from (seed, epoch). With ``world_size`` W
+    the permutation is padded with its own head to a multiple of W (as torch's DistributedSampler does) and rank
+    r takes positions r, r+W, ...: ranks are disjoint when the window count divides by W. The last batch of an
+    epoch is smaller when the rank's share does not divide by ``batch_size``; ``epoch_of(step)`` tells the epoch.
+
+    Example::
+
+        s = EpochWindows(tf.n_tokens, seq_len=1024, batch_size=16, seed=0)
+        s.batches_per_epoch  # ceil(n_windows / 16)
+    """
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+        _check_rank(rank, world_size)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        self.n_windows = (n_tokens - 1) // seq_len
+        if self.n_windows < world_size:
+            raise ValueError(f"n_tokens {n_tokens} gives {self.n_windows} windows of {seq_len}, fewer than world_size")
+        self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.per_rank = math.ceil(self.n_windows / world_size)
+        self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
+        self.step = 0
+        self._epoch = -1
+        self._mine: np.ndarray | None = None
+
+    def _config(self) -> dict:
+        keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
+        return {k: getattr(self, k) for k in keys}
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.batches_per_epoch
+
+    def _windows(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            padded = np.resize(perm, self.per_rank * self.world_size)  # np.resize repeats from the start
+            self._mine = padded[self.rank :: self.world_size]
+            self._epoch = epoch
+        return self._mine
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        epoch, k = divmod(step, self.batches_per_epoch)
+        windows = self._windows(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
+        return windows.astype(np.int64) * self.seq_len, self.seq_len
+
+
+@dataclass(frozen=True)
+class SeqLenWarmup:
+    """Sequence-length warmup schedule: powers of two from ``start`` to ``end`` over ``steps`` steps.
+
+    The length grows linearly in log2 and is rounded down to a power of two, so it always divides a power-of-two
+    tokens-per-batch. Example: ``SeqLenWarmup(64, 1024, 1000)(0) == 64`` and ``(1000) == 1024``.
+    """
+
+    start: int = 64
+    end: int = 1024
+    steps: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"SeqLenWarmup.{name} must be a power of two >= 1, got {v}")
+        if self.end < self.start:
+            raise ValueError(f"SeqLenWarmup.end ({self.end}) must be >= start ({self.start})")
+        if self.steps < 0:
+            raise ValueError(f"SeqLenWarmup.steps must be >= 0, got {self.steps}")
+
+    def __call__(self, step: int) -> int:
+        if step >= self.steps:
+            return self.end
+        lo, hi = math.log2(self.start), math.log2(self.end)
+        return 1 << int(lo + (hi - lo) * step / self.steps)
+
+
+@dataclass(frozen=True)
+class DocumentLengths:
+    """Pick each batch's length from the document it draws: the smallest bucket that holds it (else the largest).
+
+    Every window then starts at the start of a randomly drawn document, e.g. 256 for short text, 1024 for long.
+    Example: ``DocumentLengths(tf.doc_offsets, buckets=(256, 1024))``.
+    """
+
+    doc_offsets: np.ndarray
+    buckets: tuple[int, ...] = (256, 1024)
+
+    def __post_init__(self) -> None:
+        if len(self.doc_offsets) < 2:
+            raise ValueError("DocumentLengths.doc_offsets must hold at least one document (2 offsets)")
+        if not self.buckets or list(self.buckets) != sorted(self.buckets) or self.buckets[0] < 1:
+            raise ValueError(f"DocumentLengths.buckets must be increasing positive lengths, got {self.buckets}")
+
+
+class DynamicLength(_Sampler):
+    """Sequence length chosen per batch at a constant ``tokens_per_batch``: B = tokens_per_batch // T, no padding.
+
+    ``seq_len_schedule`` is an int, a callable ``step -> T`` (e.g. ``SeqLenWarmup(64, 1024, 1000)``) or a
+    ``DocumentLengths``. Each T must divide ``tokens_per_batch``. Windows are random (or document starts, with
+    DocumentLengths); rank r of W takes rows r, r+W, ... of a global batch of ``W * B`` rows.
+
+    Example::
+
+        s = DynamicLength(tf.n_tokens, 16384, SeqLenWarmup(64, 1024, 500), seed=0)
+        starts, T = s.batch(0)  # T == 64, starts.shape == (256,)
+    """
+
+    def __init__(
+        self,
+        n_tokens: int,
+        tokens_per_batch: int,
+        seq_len_schedule: int | Callable[[int], int] | DocumentLengths,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        _check_rank(rank, world_size)
+        if tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch must be >= 1, got {tokens_per_batch}")
+        self.n_tokens, self.tokens_per_batch, self.schedule = n_tokens, tokens_per_batch, seq_len_schedule
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step = 0
+        if isinstance(seq_len_schedule, DocumentLengths):
+            self._doc_starts = np.asarray(seq_len_schedule.doc_offsets[:-1], dtype=np.int64)
+            self._doc_lens = np.diff(np.asarray(seq_len_schedule.doc_offsets, dtype=np.int64))
+
+    def _config(self) -> dict:
+        keys = ("n_tokens", "tokens_per_batch", "seed", "rank", "world_size")
+        return {k: getattr(self, k) for k in keys}
+
+    def _seq_len(self, step: int, rng: np.random.Generator) -> tuple[int, int | None]:
+        s = self.schedule
+        if isinstance(s, DocumentLengths):
+            anchor = int(rng.integers(0, len(self._doc_lens)))
+            fits = [b for b in s.buckets if b >= self._doc_lens[anchor]]
+            return (fits[0] if fits else s.buckets[-1]), anchor
+        return (s if isinstance(s, int) else int(s(step))), None
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        rng = np.random.default_rng([self.seed, step])
+        seq_len, anchor = self._seq_len(step, rng)
+        if seq_len < 1 or self.tokens_per_batch % seq_len:
+            raise ValueError(f"step {step}: seq_len {seq_len} does not divide tokens_per_batch {self.tokens_per_batch}")
+        if seq_len + 1 > self.n_tokens:
+            raise ValueError(f"step {step}: seq_len {seq_len} needs {seq_len + 1} tokens, the file has {self.n_tokens}")
+        rows = self.tokens_per_batch // seq_len * self.world_size
+        high = self.n_tokens - seq_len
+        if anchor is None:
+            starts = rng.integers(0, high, size=rows)
+        else:
+            docs = rng.integers(0, len(self._doc_starts), size=rows)
+            docs[0] = anchor
+            starts = np.minimum(self._doc_starts[docs], high - 1)
+        return starts[self.rank :: self.world_size], seq_len

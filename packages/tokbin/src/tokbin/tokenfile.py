@@ -1,0 +1,210 @@
+"""Read-only access to a token file: memmapped ids, zero-copy windows and blocks, vectorised batch gather."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tokbin.errors import TokenFileError
+from tokbin.fileformat import (
+    HEADER_SIZE,
+    OFFSET_DTYPE,
+    Header,
+    expected_size,
+    new_data_hash,
+    offsets_start,
+    unpack_header,
+)
+
+BLOCK_TOKENS = 1 << 17
+_VERIFY_CHUNK = 1 << 24  # tokens per verify step: large enough to amortise, small enough to bound memory
+
+
+def _zero_copy_tensor(arr: np.ndarray) -> torch.Tensor:
+    # torch warns that the memmap is read-only; the tensor shares its memory and must not be written to
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+class TokenFile:
+    """A token file opened read-only through ``np.memmap``.
+
+    Attributes: ``vocab_size``, ``eos_id`` (None if unset), ``n_tokens``, ``n_docs``, ``dtype`` (uint16 or uint32),
+    ``tokenizer_sha256`` (hex or None), ``data_sha256``, ``tokens`` (1-D memmap) and ``doc_offsets`` (uint64 memmap of
+    ``n_docs + 1`` positions: document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]``).
+    Opening checks the magic, version, header checksum and the exact file size; ``verify()`` checks the data.
+
+    Example::
+
+        tf = TokenFile("train.bin")
+        x, y = tf.gather(np.array([0, 4096]), 1024)  # two (1024,) int64 rows, y shifted by one
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                raw = f.read(HEADER_SIZE)
+        except FileNotFoundError:
+            raise TokenFileError(self.path, "no such file: expected a tokbin token file") from None
+        except IsADirectoryError:
+            raise TokenFileError(self.path, "is a directory: expected a tokbin token file") from None
+        if size == 0:
+            raise TokenFileError(self.path, "not a tokbin file: file is empty")
+        self.header: Header = unpack_header(raw, self.path)
+        h = self.header
+        want = expected_size(h.n_tokens, h.n_docs, h.itemsize)
+        if size != want:
+            kind = "truncated" if size < want else "over-long"
+            raise TokenFileError(
+                self.path,
+                f"{kind}: header says {h.n_tokens} tokens and {h.n_docs} documents ({want} bytes), "
+                f"file has {size} bytes",
+            )
+        self.tokens = np.memmap(self.path, dtype=h.dtype, mode="r", offset=HEADER_SIZE, shape=(h.n_tokens,))
+        self.doc_offsets = np.memmap(
+            self.path, dtype=OFFSET_DTYPE, mode="r", offset=offsets_start(h.n_tokens, h.itemsize), shape=(h.n_docs + 1,)
+        )
+        if int(self.doc_offsets[-1]) != h.n_tokens:
+            raise TokenFileError(
+                self.path, f"bad document index: expected last offset {h.n_tokens}, found {int(self.doc_offsets[-1])}"
+            )
+
+    vocab_size = property(lambda self: self.header.vocab_size)
+    eos_id = property(lambda self: self.header.eos_id)
+    n_tokens = property(lambda self: self.header.n_tokens)
+    n_docs = property(lambda self: self.header.n_docs)
+    dtype = property(lambda self: self.header.dtype)
+    tokenizer_sha256 = property(lambda self: self.header.tokenizer_sha256)
+    data_sha256 = property(lambda self: self.header.data_sha256)
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenFile({str(self.path)!r}, n_tokens={self.n_tokens}, n_docs={self.n_docs}, "
+            f"vocab_size={self.vocab_size}, dtype={self.dtype.name})"
+        )
+
+    def info(self) -> dict:
+        """The header and counts as a JSON-able dict (what ``tokbin info --json`` prints)."""
+        h = self.header
+        return {
+            "path": str(self.path),
+            "format_version": h.version,
+            "dtype": h.dtype.name,
+            "vocab_size": h.vocab_size,
+            "n_tokens": h.n_tokens,
+            "n_docs": h.n_docs,
+            "eos_id": h.eos_id,
+            "tokenizer_sha256": h.tokenizer_sha256,
+            "data_sha256": h.data_sha256,
+            "file_bytes": expected_size(h.n_tokens, h.n_docs, h.itemsize),
+        }
+
+    def document(self, i: int) -> np.ndarray:
+        """Ids of document ``i`` (a memmap view, no copy), including its trailing EOS if one was written."""
+        if not 0 <= i < self.n_docs:
+            raise IndexError(f"document index {i} out of range for {self.n_docs} documents in {self.path}")
+        return self.tokens[int(self.doc_offsets[i]) : int(self.doc_offsets[i + 1])]
+
+    def window(self, start: int, length: int) -> torch.Tensor:
+        """``tokens[start:start+length]`` as a torch tensor sharing the memmap's memory (no copy, read-only).
+
+        The tensor's dtype is torch.uint16 or torch.uint32 (torch >= 2.3), which support few ops: convert with
+        ``.long()`` (a copy) before arithmetic or embedding lookups.
+        """
+        if length < 0 or start < 0 or start + length > self.n_tokens:
+            raise IndexError(f"window [{start}, {start + length}) outside [0, {self.n_tokens}) of {self.path}")
+        return _zero_copy_tensor(self.tokens[start : start + length])
+
+    @property
+    def n_blocks(self) -> int:
+        """Number of 2**17-token blocks; the last one may be shorter."""
+        return -(-self.n_tokens // BLOCK_TOKENS)
+
+    def block(self, i: int) -> torch.Tensor:
+        """Block ``i`` of ``BLOCK_TOKENS`` (2**17) tokens as a zero-copy tensor (the last block may be shorter)."""
+        if not 0 <= i < self.n_blocks:
+            raise IndexError(f"block index {i} out of range for {self.n_blocks} blocks in {self.path}")
+        start = i * BLOCK_TOKENS
+        return self.window(start, min(BLOCK_TOKENS, self.n_tokens - start))
+
+    def gather(self, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for windows at ``starts``: two (B, seq_len) int64 tensors, targets shifted by one.
+
+        One fancy-index copy of ``(B, seq_len + 1)`` ids (no per-row Python loop), then one widening copy.
+        """
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.ndim != 1 or seq_len < 1:
+            raise ValueError(f"gather: expected 1-D starts and seq_len >= 1, got shape {starts.shape}, {seq_len}")
+        if starts.size and (starts.min() < 0 or starts.max() + seq_len + 1 > self.n_tokens):
+            raise IndexError(
+                f"gather: windows of {seq_len + 1} tokens at starts in [{starts.min()}, {starts.max()}] "
+                f"exceed the {self.n_tokens} tokens of {self.path}"
+            )
+        idx = starts[:, None] + np.arange(seq_len + 1)  # (B, T+1)
+        rows = self.tokens[idx]  # (B, T+1) in the file dtype: the only read from the memmap
+        both = np.empty((2, starts.size, seq_len), dtype=np.int64)
+        both[0] = rows[:, :-1]  # the widening copy writes straight into contiguous inputs and targets
+        both[1] = rows[:, 1:]
+        t = torch.from_numpy(both)
+        return t[0], t[1]
+
+    def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
+        """Check the data checksum, document index, every id < vocab_size and (optionally) the tokenizer identity.
+
+        Raises TokenFileError on the first problem; returns a summary dict when all checks pass.
+
+        Example: ``TokenFile("train.bin").verify("spm.model")``
+        """
+        h = self.header
+        digest = new_data_hash()
+        max_id = -1
+        bar = tqdm(total=h.n_tokens, unit="tok", unit_scale=True, desc="verify", disable=not progress)
+        for lo in range(0, h.n_tokens, _VERIFY_CHUNK):
+            chunk = np.asarray(self.tokens[lo : lo + _VERIFY_CHUNK])
+            digest.update(memoryview(chunk).cast("B"))
+            max_id = max(max_id, int(chunk.max()))
+            bar.update(chunk.size)
+        bar.close()
+        digest.update(np.asarray(self.doc_offsets).tobytes())
+        if digest.hexdigest() != h.data_sha256:
+            raise TokenFileError(
+                self.path, f"data checksum mismatch: expected sha256 {h.data_sha256}, found {digest.hexdigest()}"
+            )
+        if max_id >= h.vocab_size:
+            raise TokenFileError(
+                self.path, f"id out of range: expected ids < vocab_size {h.vocab_size}, found {max_id}"
+            )
+        offsets = np.asarray(self.doc_offsets)
+        if offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0):
+            raise TokenFileError(self.path, "bad document index: expected offsets rising from 0, found a decrease")
+        if h.eos_id is not None and h.eos_id >= h.vocab_size:
+            raise TokenFileError(self.path, f"eos_id {h.eos_id} is not below vocab_size {h.vocab_size}")
+        if tokenizer is not None:
+            self._check_tokenizer(Path(tokenizer))
+        return {"path": str(self.path), "n_tokens": h.n_tokens, "max_id": max_id, "data_sha256": h.data_sha256}
+
+    def _check_tokenizer(self, tokenizer: Path) -> None:
+        from tokbin.tokenizer import file_sha256, load_processor
+
+        if self.tokenizer_sha256 is None:
+            raise TokenFileError(self.path, f"no tokenizer recorded: expected one to compare with {tokenizer}")
+        found = file_sha256(tokenizer)
+        if found != self.tokenizer_sha256:
+            raise TokenFileError(
+                self.path,
+                f"tokenizer mismatch: file was encoded with sha256 {self.tokenizer_sha256}, {tokenizer} has {found}",
+            )
+        vocab = load_processor(tokenizer).get_piece_size()
+        if vocab != self.vocab_size:
+            raise TokenFileError(self.path, f"vocab_size mismatch: header {self.vocab_size}, {tokenizer} has {vocab}")
