@@ -1,5 +1,31 @@
-"""A raw-PyTorch training loop on DeepSpeed ZeRO-2 or plain torch: per-group clipping, schedules, atomic checkpoints, exact resume."""
+"""A raw-PyTorch training loop on DeepSpeed ZeRO-2 or plain torch.
 
+Per-group clipping, closed-form schedules, atomic checkpoints, exact resume.
+"""
+
+from trainloop.checkpoint import latest_checkpoint, load_model_weights
+from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
+from trainloop.config import TrainConfig, load_clip_groups
+from trainloop.ds_config import build_ds_config
+from trainloop.evaluation import evaluate
+from trainloop.plotting import plot_metrics
+from trainloop.schedules import lr_at
+from trainloop.trainer import NonFiniteLossError, Trainer
 from trainloop.version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "ClipGroups",
+    "ClipReport",
+    "NonFiniteLossError",
+    "TrainConfig",
+    "Trainer",
+    "__version__",
+    "adamw_param_groups",
+    "build_ds_config",
+    "evaluate",
+    "latest_checkpoint",
+    "load_clip_groups",
+    "load_model_weights",
+    "lr_at",
+    "plot_metrics",
+]

@@ -1,0 +1,176 @@
+"""TrainConfig: every knob of the loop in one flat, validated dataclass."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("cosine", "constant", "wsd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ENGINES = ("torch", "deepspeed")
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters and intervals of one training run.
+
+    Intervals count optimizer steps; 0 turns the periodic action off (the end of the run still evaluates and saves).
+    ``clip_groups`` maps fnmatch patterns over parameter names to thresholds (first match wins, unmatched
+    parameters form the group ``"default"`` clipped at ``clip``); it may also be the path of a JSON file written by
+    :func:`trainloop.calibrate`. ``clip=0`` with no groups disables clipping.
+
+    Example:
+        >>> cfg = TrainConfig(lr=3e-4, min_lr=1e-6, warmup_steps=500, t_max=10_000, max_steps=10_000,
+        ...                   clip_groups={"*embed*": 2.0, "*.o_proj.*": 0.5, "norm_f.*": 0.1}, precision="bf16")
+    """
+
+    # Optimiser and schedule (linear warmup from min_lr to lr, then the schedule down to min_lr at t_max).
+    lr: float = 3e-4
+    min_lr: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    t_max: int | None = None  # step where the decay reaches min_lr; None means max_steps
+    wsd_decay_steps: int | None = None  # WSD: length of the final decay; None means 10% of t_max
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # Batching and precision.
+    max_steps: int = 1000
+    micro_batch: int = 8
+    grad_accum: int = 1
+    precision: str = "fp32"
+    scaler_init_scale: float = 65536.0
+    scaler_growth_factor: float = 2.0
+    scaler_backoff_factor: float = 0.5
+    scaler_growth_interval: int = 2000
+    # Clipping.
+    clip: float = 1.0
+    clip_groups: dict[str, float] | str | None = None
+    # Intervals and bookkeeping.
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int | None = None
+    save_every: int = 0
+    keep_last: int = 3
+    seed: int = 0
+    time_budget_s: float | None = None
+    # Engine and faults.
+    engine: str = "torch"
+    zero_stage: int = 2  # used when the DeepSpeed config names no stage
+    max_consecutive_skips: int = 5
+    detect_anomaly: bool = False
+    dist_timeout_s: float = 600.0
+    # Reporting.
+    peak_tflops: float | None = None  # per device, for MFU; None: MFU is not reported
+    flops_per_token: float | None = None  # None: 6 * n_params (or the model's own figure)
+    inspect_steps: list[int] = field(default_factory=list)
+    progress: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        def positive_float(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            need(
+                ok and (v >= 0 if allow_zero else v > 0),
+                name,
+                "must be a finite number " + (">= 0" if allow_zero else "> 0"),
+            )
+
+        def int_at_least(name: str, low: int) -> None:
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= low, name, f"must be an integer >= {low}")
+
+        positive_float("lr")
+        positive_float("min_lr", allow_zero=True)
+        need(self.min_lr <= self.lr, "min_lr", f"must not exceed lr={self.lr}")
+        int_at_least("warmup_steps", 0)
+        need(self.schedule in SCHEDULES, "schedule", f"allowed values are {', '.join(SCHEDULES)}")
+        int_at_least("max_steps", 1)
+        if self.t_max is None:
+            self.t_max = self.max_steps
+        int_at_least("t_max", 1)
+        need(self.warmup_steps <= self.t_max, "warmup_steps", f"must not exceed t_max={self.t_max}")
+        if self.wsd_decay_steps is not None:
+            int_at_least("wsd_decay_steps", 0)
+            need(self.wsd_decay_steps <= self.t_max - self.warmup_steps, "wsd_decay_steps", "must fit after warmup")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and 0 <= v < 1, name, "must be in [0, 1)")
+        positive_float("eps")
+        positive_float("weight_decay", allow_zero=True)
+        int_at_least("micro_batch", 1)
+        int_at_least("grad_accum", 1)
+        need(self.precision in PRECISIONS, "precision", f"allowed values are {', '.join(PRECISIONS)}")
+        positive_float("scaler_init_scale")
+        need(isinstance(self.scaler_growth_factor, (int, float)) and self.scaler_growth_factor > 1,
+             "scaler_growth_factor", "must be > 1 (the write-up uses 1.001)")  # fmt: skip
+        need(isinstance(self.scaler_backoff_factor, (int, float)) and 0 < self.scaler_backoff_factor < 1,
+             "scaler_backoff_factor", "must be in (0, 1)")  # fmt: skip
+        int_at_least("scaler_growth_interval", 1)
+        positive_float("clip", allow_zero=True)
+        if isinstance(self.clip_groups, (str, Path)):
+            self.clip_groups = load_clip_groups(self.clip_groups)
+        if self.clip_groups is not None:
+            need(
+                isinstance(self.clip_groups, dict), "clip_groups", "must be a dict {pattern: threshold} or a JSON path"
+            )
+            for pattern, value in self.clip_groups.items():
+                ok = isinstance(pattern, str) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+                need(ok, "clip_groups", f"entry {pattern!r}: {value!r} must map a pattern string to a threshold > 0")
+        for name in ("log_every", "eval_every", "save_every"):
+            int_at_least(name, 0)
+        need(self.log_every >= 1, "log_every", "must be >= 1")
+        if self.eval_batches is not None:
+            int_at_least("eval_batches", 1)
+        int_at_least("keep_last", 1)
+        int_at_least("seed", 0)
+        if self.time_budget_s is not None:
+            positive_float("time_budget_s")
+        need(self.engine in ENGINES, "engine", f"allowed values are {', '.join(ENGINES)}")
+        need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "allowed values are 0, 1, 2, 3")
+        int_at_least("max_consecutive_skips", 1)
+        need(isinstance(self.detect_anomaly, bool), "detect_anomaly", "must be true or false")
+        positive_float("dist_timeout_s")
+        if self.peak_tflops is not None:
+            positive_float("peak_tflops")
+        if self.flops_per_token is not None:
+            positive_float("flops_per_token")
+        steps = self.inspect_steps
+        need(isinstance(steps, (list, tuple)) and all(isinstance(s, int) and s >= 1 for s in steps),
+             "inspect_steps", "must be a list of step numbers >= 1")  # fmt: skip
+        self.inspect_steps = list(steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict; ``TrainConfig(**d)`` rebuilds the config."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from a dict, naming any unknown key."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+def load_clip_groups(path: str | Path) -> dict[str, float]:
+    """Read clipping thresholds written by :func:`trainloop.calibrate` (``{"thresholds": {...}}``) or a plain dict."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"TrainConfig.clip_groups: cannot read thresholds from {p}: {exc}") from exc
+    groups = data.get("thresholds", data) if isinstance(data, dict) else None
+    if not isinstance(groups, dict):
+        raise ValueError(f"TrainConfig.clip_groups: {p} holds no {{pattern: threshold}} mapping")
+    return {str(k): float(v) for k, v in groups.items()}

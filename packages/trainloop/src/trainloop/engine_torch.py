@@ -1,0 +1,140 @@
+"""The plain-torch engine: one process, or DDP under torchrun (no gradient all-reduce on inner accumulation steps)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainloop.checkpoint import MODEL_FILE, load_model_weights, load_torch, save_model_weights, save_torch
+from trainloop.clipping import adamw_param_groups
+from trainloop.config import TrainConfig
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of a model output: a Tensor, an object with ``.loss`` or a dict with ``"loss"``."""
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, dict) and "loss" in output:
+        loss = output["loss"]
+    elif hasattr(output, "loss"):
+        loss = output.loss
+    else:
+        raise TypeError(
+            f"model(inputs, targets) returned {type(output).__name__}; expected a loss Tensor, an object with .loss "
+            "or a dict with 'loss'"
+        )
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"the model's loss must be a scalar Tensor, got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+        )
+    return loss
+
+
+class TorchEngine:
+    """AdamW on the model's own parameters; DDP when a process group with more than one rank exists."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.module = model.to(device)
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.model: torch.nn.Module = (
+            DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            if self.distributed
+            else model
+        )
+        self.optimizer = torch.optim.AdamW(
+            adamw_param_groups(model, config.weight_decay),
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+        )
+        self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
+        self.scaler = torch.amp.GradScaler(
+            device.type,
+            init_scale=config.scaler_init_scale,
+            growth_factor=config.scaler_growth_factor,
+            backoff_factor=config.scaler_backoff_factor,
+            growth_interval=config.scaler_growth_interval,
+            enabled=config.precision == "fp16",
+        )
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self._params = [p for p in model.named_parameters() if p[1].requires_grad]
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool, n_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients sync across ranks only on the last one."""
+        sync = contextlib.nullcontext() if (is_last or not self.distributed) else self.model.no_sync()
+        with sync:
+            with self.autocast():
+                loss = loss_of(self.model(inputs, targets))
+            self.scaler.scale(loss / n_micro).backward()
+        return loss.detach()
+
+    def unscale(self) -> float:
+        """Remove the loss scale from the gradients; returns the scale still present (always 1 here)."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        return 1.0
+
+    def local_grads(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """(name, gradient) pairs this rank holds, and whether their squared sums need an all-reduce (no: DDP
+        already averaged full gradients)."""
+        return [(n, p.grad) for n, p in self._params if p.grad is not None], False
+
+    def full_grads(self) -> list[tuple[str, torch.Tensor]]:
+        return self.local_grads()[0]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """Drop this step's gradients; AdamW skips parameters without a gradient, so its state is untouched."""
+        if self.scaler.is_enabled():
+            self.scaler.update()  # backs the scale off after the inf/NaN found by unscale_
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None
+
+    def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return loss_of(self.module(inputs, targets))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def save(self, ckpt_dir: Path, client_state: dict[str, Any], rank: int) -> None:
+        if rank == 0:
+            save_model_weights(self.full_state_dict(), ckpt_dir / MODEL_FILE)
+            state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), **client_state}
+            save_torch(state, ckpt_dir / "trainer.pt")
+
+    def load(self, ckpt_dir: Path) -> dict[str, Any]:
+        self.module.load_state_dict(load_model_weights(ckpt_dir, self.device))
+        state = load_torch(ckpt_dir / "trainer.pt", self.device)
+        self.optimizer.load_state_dict(state.pop("optimizer"))
+        self.scaler.load_state_dict(state.pop("scaler"))
+        return state

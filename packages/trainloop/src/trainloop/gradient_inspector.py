@@ -1,0 +1,57 @@
+"""Gradient inspector: per-layer gradient-norm table and histograms (PNG) at chosen steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainloop.clipping import ClipGroups
+
+
+def inspect_gradients(
+    named_grads: list[tuple[str, torch.Tensor]], out_dir: Path, step: int, groups: ClipGroups, *, write: bool = True
+) -> Path | None:
+    """Write ``grads_step<N>.tsv`` (name, group, shape, L2 norm, max |g|, RMS) and ``grads_step<N>.png``
+    (per-parameter norms and the distribution of log10 |g|), from full unscaled gradients.
+
+    Example:
+        >>> inspect_gradients(list(zip(names, grads)), Path("runs/demo/inspect"), 100, groups)  # doctest: +SKIP
+    """
+    if not write:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, g in named_grads:
+        g = g.detach().float().cpu()
+        norm = float(g.norm())
+        rows.append((name, groups.group_names[groups.index_of[name]], tuple(g.shape), norm, float(g.abs().max()),
+                     norm / max(g.numel(), 1) ** 0.5))  # fmt: skip
+    table = out_dir / f"grads_step{step}.tsv"
+    with open(table, "w") as f:
+        f.write("name\tgroup\tshape\tnorm\tmax_abs\trms\n")
+        for name, group, shape, norm, mx, rms in rows:
+            f.write(f"{name}\t{group}\t{'x'.join(map(str, shape))}\t{norm:.6e}\t{mx:.6e}\t{rms:.6e}\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(4, 0.18 * len(rows))))
+    ax1.barh([r[0] for r in rows], [r[3] for r in rows])
+    ax1.set_xscale("log")
+    ax1.invert_yaxis()
+    ax1.set_xlabel("gradient L2 norm")
+    ax1.tick_params(axis="y", labelsize=6)
+    values = torch.cat([g.detach().float().cpu().flatten().abs() for _, g in named_grads])
+    values = values[values > 0]
+    if values.numel():
+        ax2.hist(values.log10().numpy(), bins=80)
+    ax2.set_xlabel("log10 |gradient entry|")
+    ax2.set_ylabel("count")
+    fig.suptitle(f"gradients at step {step}")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"grads_step{step}.png", dpi=80)
+    plt.close(fig)
+    return table

@@ -1,0 +1,46 @@
+"""plot_metrics: loss, learning rate and gradient norms from metrics.jsonl to one PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
+    """Three panels: train (and eval) loss, learning rate, total and per-group gradient norms.
+
+    Example:
+        >>> plot_metrics("runs/demo/metrics.jsonl", "runs/demo/metrics.png")  # doctest: +SKIP
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r and r.get("loss") is not None]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train:
+        raise ValueError(f"{metrics_jsonl}: no training records to plot")
+    steps = [r["step"] for r in train]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    axes[0].plot(steps, [r["loss"] for r in train], label="train")
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot(steps, [r["lr"] for r in train])
+    axes[1].set_ylabel("learning rate")
+    axes[2].plot(steps, [r.get("grad_norm") for r in train], label="total", linewidth=2)
+    for key in sorted({k for r in train for k in r if k.startswith("grad_norm/")}):
+        axes[2].plot(steps, [r.get(key) for r in train], label=key.split("/", 1)[1], alpha=0.7)
+    axes[2].set_yscale("log")
+    axes[2].set_ylabel("gradient norm")
+    axes[2].set_xlabel("step")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

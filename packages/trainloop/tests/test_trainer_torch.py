@@ -1,0 +1,116 @@
+import json
+import math
+
+import pytest
+import torch
+from tiny_model import SeqData, TinyLM, eval_batches
+
+from trainloop import NonFiniteLossError, TrainConfig, Trainer, latest_checkpoint, load_model_weights, plot_metrics
+
+
+def _cfg(**kw):
+    base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=30, micro_batch=4, log_every=1, progress=False,
+                tensorboard=False, clip=1.0)  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _losses(run_dir):
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in recs if "loss" in r]
+
+
+def test_loss_falls_and_summary(tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer = Trainer(model, _cfg(eval_every=10), SeqData(4), run_dir=tmp_path, eval_data=lambda: eval_batches(),
+                      bytes_per_token=1.0)  # fmt: skip
+    out = trainer.fit()
+    losses = [loss for _, loss in _losses(tmp_path)]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
+    assert out["step"] == 30 and out["eval"]["ppl"] == pytest.approx(math.exp(out["eval"]["loss"]))
+    assert out["eval"]["bpb"] == pytest.approx(out["eval"]["loss"] / math.log(2))
+    assert model.training  # evaluation restored train mode
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes", "grad_norm/default"):
+        assert key in rec, key
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.name == "step_00000030"
+    weights = load_model_weights(ckpt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(weights[k], v), k
+    png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "m.png")
+    assert png.stat().st_size > 1000
+
+
+def _run(run_dir, max_steps, resume, **kw):
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=max_steps, t_max=12, save_every=3, keep_last=2, **kw)
+    return Trainer(TinyLM(), cfg, SeqData(4), run_dir=run_dir).fit(resume=resume)
+
+
+def test_bit_exact_resume_fp32(tmp_path):
+    _run(tmp_path / "a", 12, False, grad_accum=2)
+    _run(tmp_path / "b", 7, False, grad_accum=2)
+    _run(tmp_path / "b", 12, True, grad_accum=2)
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [s for s, _ in b] == list(range(1, 13))
+    assert a == b  # bit for bit: same floats
+    wa = load_model_weights(latest_checkpoint(tmp_path / "a"))
+    wb = load_model_weights(latest_checkpoint(tmp_path / "b"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    kept = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
+    assert kept == ["step_00000009", "step_00000012"]  # keep_last=2
+
+
+def test_resume_skips_incomplete_checkpoint(tmp_path, capsys):
+    _run(tmp_path, 6, False)
+    newest = tmp_path / "checkpoints" / "step_00000006"
+    (newest / "manifest.json").unlink()  # as if the save had been killed before the manifest
+    t = Trainer(TinyLM(), _cfg(max_steps=6, t_max=12), SeqData(4), run_dir=tmp_path)
+    t.fit(resume=True)
+    assert [p.name for p, _ in t.skipped_checkpoints] == ["step_00000006"]
+    assert "skipping incomplete checkpoint step_00000006" in capsys.readouterr().out
+
+
+class NaNAfter(TinyLM):
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.calls, self.start = 0, start
+
+    def forward(self, inputs, targets):
+        self.calls += 1
+        loss = super().forward(inputs, targets)
+        return loss * float("nan") if self.calls > self.start else loss
+
+
+def test_nan_steps_are_skipped_then_stop(tmp_path):
+    torch.manual_seed(0)
+    model = NaNAfter(start=3)
+    trainer = Trainer(model, _cfg(max_consecutive_skips=3), SeqData(4), run_dir=tmp_path)
+    with pytest.raises(NonFiniteLossError, match="lower lr"):
+        trainer.fit()
+    recs = _losses(tmp_path)
+    assert [s for s, _ in recs] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isnan(loss) if loss is not None else True for _, loss in recs[3:])
+    # Skipped steps leave weights and optimizer untouched: weights equal those after step 3.
+    assert all(p.isfinite().all() for p in model.parameters())
+    assert trainer.total_skips == 3
+    state = trainer.engine.optimizer.state[model.head.weight]
+    assert int(state["step"]) == 3
+
+
+def test_nan_skip_recovers(tmp_path):
+    class OneNaN(TinyLM):
+        calls = 0
+
+        def forward(self, inputs, targets):
+            self.calls += 1
+            loss = super().forward(inputs, targets)
+            return loss * float("nan") if self.calls == 2 else loss
+
+    model = OneNaN()
+    out = Trainer(model, _cfg(max_steps=4), SeqData(4), run_dir=tmp_path).fit()
+    assert out["total_skips"] == 1 and out["step"] == 4
+    assert all(p.isfinite().all() for p in model.parameters())

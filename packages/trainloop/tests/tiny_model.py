@@ -1,0 +1,60 @@
+"""A tiny language model and a resumable batch stream for the tests (trainloop never imports lmcore)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 32
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.o_proj = nn.Linear(d, d)
+        self.norm_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(inputs)  # (B, T, d)
+        h = h + torch.tanh(self.o_proj(h))
+        logits = self.head(self.norm_f(h))  # (B, T, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+class SeqData:
+    """Deterministic (inputs, targets) batches with a learnable rule; resumable via state_dict.
+
+    ``rank``/``world_size`` pick rows of a global batch, so world_size ranks with micro_batch b see exactly the rows
+    one process sees with micro_batch b * world_size.
+    """
+
+    def __init__(self, batch: int, seq: int = 8, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        self.batch, self.seq, self.seed, self.rank, self.world = batch, seq, seed, rank, world_size
+        self.pos = 0
+
+    def __iter__(self):
+        return self
+
+    def _global(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        start = torch.randint(0, VOCAB, (self.batch * self.world, 1), generator=g)
+        steps = torch.arange(self.seq + 1)
+        return (start * 5 + steps * 3) % VOCAB  # (B*W, T+1)
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._global(self.pos)[self.rank * self.batch : (self.rank + 1) * self.batch]
+        self.pos += 1
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def eval_batches(n: int = 2, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = SeqData(batch, seed=99)
+    return [next(data) for _ in range(n)]
