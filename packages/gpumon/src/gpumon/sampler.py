@@ -1,0 +1,232 @@
+"""The background sampler: absolute deadlines on the monotonic clock, one row per tick, never raises.
+
+Tick k is due at t0 + k/rate (deadlines never accumulate the lateness of earlier ticks); a tick that falls more
+than one period behind skips the deadlines it missed rather than bursting to catch up. Each poller has its own
+period and next-due time on the same clock. Any exception from a poller or from the file is counted and reported in
+the summary; a device reported lost stops being read while the others go on.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumon.pollers import Poller
+from gpumon.recording import FAILED, MISSING, STALE, RecordingWriter
+from gpumon.statistics import RESERVOIR_SIZE, Summary, SummaryBuilder
+
+FLUSH_EVERY_S = 1.0  # a crash loses at most about this much of the file
+JOIN_TIMEOUT_S = 5.0
+MAX_SLEEP_S = 0.05
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(round(value, 3))
+    return str(value)
+
+
+class Sampler:
+    """Polls `pollers` at `rate_hz` in a daemon thread, writes rows to `out` (if given) and keeps a summary.
+
+    Example:
+        >>> sampler = Sampler(HostBackend().pollers, rate_hz=100, out="host.csv")
+        >>> sampler.start(); time.sleep(1.0); sampler.stop()
+        >>> print(sampler.summary())
+    """
+
+    def __init__(
+        self,
+        pollers: Sequence[Poller],
+        rate_hz: float = 100.0,
+        out: str | Path | None = None,
+        meta: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reservoir_size: int = RESERVOIR_SIZE,
+    ) -> None:
+        if not (isinstance(rate_hz, (int, float)) and 0 < rate_hz <= 10_000):
+            raise ValueError(f"rate_hz must be a number in (0, 10000], got {rate_hz!r}")
+        self.rate_hz = float(rate_hz)
+        self.period = 1.0 / self.rate_hz
+        self.clock = clock
+        self.pollers = list(pollers)
+        self.columns = [c for p in self.pollers for c in p.columns]
+        if len(set(self.columns)) != len(self.columns):
+            raise ValueError(f"pollers: duplicate column names in {self.columns}")
+        self.units = {c: u for p in self.pollers for c, u in zip(p.columns, p.units, strict=True)}
+        counters = {c for p in self.pollers for c in p.counter_columns}
+        self.index = {c: i for i, c in enumerate(self.columns)}
+        self._last: list[Any] = [None] * len(self.columns)
+        self._active = list(range(len(self.pollers)))
+        self._dropped: set[str] = set()
+        self._lost_groups: set[str] = set()
+        slow = [i for i, p in enumerate(self.pollers) if p.period_s > 0]
+        # slow pollers start one tick apart so that their millisecond calls do not all land on one tick
+        self._next_due = [0.0] * len(self.pollers)
+        for n, i in enumerate(slow):
+            self._next_due[i] = (n * self.period) % self.pollers[i].period_s
+        self._builder = SummaryBuilder(self.rate_hz, self.units, counters, reservoir_size)
+        self._lock = threading.Lock()
+        self._marks: deque[tuple[float, str, Any]] = deque()
+        self._reported: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.t0: float | None = None
+        self.busy_s = 0.0
+        self.cpu_s = 0.0
+        self._next_flush = FLUSH_EVERY_S
+        self._now_t = 0.0
+        self._writer: RecordingWriter | None = None
+        if out is not None:
+            periods = {p.name: p.period_s for p in self.pollers}
+            header = {**(meta or {}), "rate_hz": self.rate_hz, "units": self.units, "counters": sorted(counters)}
+            header.update(periods=periods, start_unix=time.time())
+            self._writer = RecordingWriter(out, self.columns, header)
+
+    # -- control ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the background thread (t=0 is now)."""
+        if self._thread is not None:
+            raise RuntimeError("Sampler.start(): already started")
+        self.t0 = self.clock()
+        self._thread = threading.Thread(target=self._run, name="gpumon-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, write the trailer and close the file. Never raises; safe to call twice."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(JOIN_TIMEOUT_S)
+        with self._lock:
+            if self._writer is not None:
+                try:
+                    self._writer.close(
+                        {
+                            "ticks": self._builder.ticks,
+                            "busy_s": self.busy_s,
+                            "cpu_s": self.cpu_s,
+                            "errors": self._builder.errors,
+                            "lost": self._builder.lost,
+                        }
+                    )
+                except OSError as exc:
+                    self._count("file", f"closing failed: {exc}", "error")
+                self._writer = None
+
+    def mark(self, label: str, value: Any = None) -> None:
+        """Queue an annotation with the current time; the sampler thread writes it with the next tick."""
+        t0 = self.t0 if self.t0 is not None else self.clock()
+        self._marks.append((self.clock() - t0, str(label), value))
+
+    def latest(self) -> dict[str, Any]:
+        """The last value read of every metric (None before its first read)."""
+        return dict(zip(self.columns, self._last, strict=True))
+
+    def summary(self) -> Summary:
+        with self._lock:
+            return self._builder.finish(busy_s=self.busy_s, cpu_s=self.cpu_s)
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        t0 = self.t0 if self.t0 is not None else self.clock()
+        cpu_start = time.thread_time()
+        k = 0
+        while not self._stop.is_set():
+            delay = t0 + k * self.period - self.clock()
+            while delay > 0 and not self._stop.is_set():
+                # time.sleep wakes more cheaply than Event.wait; chunks bound the latency of stop()
+                time.sleep(min(delay, MAX_SLEEP_S))
+                delay = t0 + k * self.period - self.clock()
+            if self._stop.is_set():
+                break
+            started = time.perf_counter()
+            self.sample_once(self.clock() - t0)
+            self.busy_s += time.perf_counter() - started
+            self.cpu_s = time.thread_time() - cpu_start
+            # next deadline on the absolute grid; skip the ones already missed rather than bursting
+            k = max(k + 1, math.floor((self.clock() - t0) / self.period))
+        self.cpu_s = time.thread_time() - cpu_start
+
+    def sample_once(self, t: float) -> None:
+        """One tick at time `t` (seconds since start). The thread calls it; tests call it with a fake clock."""
+        with self._lock:
+            try:
+                self._tick(t)
+            except Exception as exc:  # a bug here must not kill monitoring, nor the program being monitored
+                self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
+
+    def _tick(self, t: float) -> None:
+        self._now_t = t
+        builder, metrics = self._builder, self._builder.metrics
+        cells = [MISSING] * len(self.columns)
+        events: list[tuple[float, str, str, str]] = []
+        for i in list(self._active):
+            p = self.pollers[i]
+            if p.group in self._lost_groups:
+                continue  # lost earlier in this same tick
+            if p.period_s > 0:
+                if t < self._next_due[i] - 0.5 * self.period:
+                    continue
+                steps = max(1, math.floor((t - self._next_due[i]) / p.period_s) + 1)
+                self._next_due[i] += steps * p.period_s
+            try:
+                values = p.read()
+            except Exception as exc:
+                values = [exc] * len(p.columns)
+            for column, value in zip(p.columns, values, strict=True):
+                if column in self._dropped:
+                    continue
+                j = self.index[column]
+                if isinstance(value, BaseException):
+                    cells[j] = FAILED
+                    self._failed(p, i, column, value, events)
+                    continue
+                fresh = value != self._last[j]
+                cells[j] = _cell(value) if fresh else STALE
+                self._last[j] = value
+                metrics[column].add(t, value, fresh)
+        while self._marks:
+            mt, label, value = self._marks.popleft()
+            builder.marks += 1
+            events.append((mt, "mark", label, "" if value is None else str(value)))
+        builder.add_tick(t)
+        if self._writer is not None:
+            try:
+                for et, kind, label, value in events:
+                    self._writer.event(et, kind, label, value)
+                self._writer.sample(t, cells)
+                if t >= self._next_flush:
+                    self._writer.flush()
+                    self._next_flush = t + FLUSH_EVERY_S
+            except OSError as exc:  # disk full, file removed: keep sampling in memory, report it
+                self._count("file", f"writing stopped: {exc}", "error")
+                self._writer = None
+
+    def _failed(self, p: Poller, i: int, column: str, exc: BaseException, events: list) -> None:
+        try:
+            failure = p.classify(exc)
+        except Exception:
+            failure = "error"
+        text = str(exc) or type(exc).__name__
+        self._count(column, text, failure)
+        if (column, text) not in self._reported:
+            self._reported.add((column, text))
+            events.append((self._now_t, "error", column, f"{failure}: {text}"))
+        if failure == "unsupported":
+            self._dropped.add(column)
+            if p.drop is not None:
+                p.drop(column)
+            if all(c in self._dropped for c in p.columns) and i in self._active:
+                self._active.remove(i)
+        elif failure == "lost" and p.group not in self._lost_groups:
+            self._lost_groups.add(p.group)
+            self._active = [a for a in self._active if self.pollers[a].group != p.group]
+            self._dropped.update(c for q in self.pollers if q.group == p.group for c in q.columns)
+
+    def _count(self, column: str, text: str, failure: str) -> None:
+        self._builder.add_error(column, text, failure)

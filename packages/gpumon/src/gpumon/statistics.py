@@ -1,0 +1,220 @@
+"""Streaming statistics and the run summary: the same code serves the live sampler and `gpumon summary FILE`.
+
+Memory stays bounded: each metric keeps O(1) running values plus a uniform reservoir of at most
+RESERVOIR_SIZE readings for the percentiles, which are exact until a metric has more readings than that
+(about 10 minutes at 100 Hz) and a uniform-sample estimate after (the summary says which).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RESERVOIR_SIZE = 65536
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default): percentile([1, 2, 3, 4], 50) == 2.5."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class Reservoir:
+    """Uniform sample of at most `capacity` values (Vitter's algorithm R), seeded for reproducible summaries."""
+
+    __slots__ = ("values", "seen", "capacity", "_rng")
+
+    def __init__(self, capacity: int = RESERVOIR_SIZE) -> None:
+        self.values = array("d")
+        self.seen = 0
+        self.capacity = capacity
+        self._rng = random.Random(0)
+
+    def add(self, v: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.capacity:
+            self.values.append(v)
+        else:
+            j = self._rng.randrange(self.seen)
+            if j < self.capacity:
+                self.values[j] = v
+
+    @property
+    def exact(self) -> bool:
+        return self.seen <= self.capacity
+
+    def percentiles(self, qs: tuple[float, ...]) -> list[float]:
+        ordered = sorted(self.values)
+        return [percentile(ordered, q) for q in qs]
+
+
+class MetricStats:
+    """Running statistics of one metric: reads, fresh reads, peak, time-weighted mean, counter increase."""
+
+    __slots__ = (
+        "unit",
+        "counter",
+        "reads",
+        "fresh",
+        "errors",
+        "peak",
+        "peak_t",
+        "low",
+        "first_t",
+        "prev_t",
+        "prev_v",
+        "weighted",
+        "span",
+        "increase",
+        "reservoir",
+        "last",
+    )
+
+    def __init__(self, unit: str, counter: bool = False, capacity: int = RESERVOIR_SIZE) -> None:
+        self.unit, self.counter = unit, counter
+        self.reads = self.fresh = self.errors = 0
+        self.peak = self.low = self.prev_v = self.last = None
+        self.peak_t = self.first_t = self.prev_t = None
+        self.weighted = self.span = self.increase = 0.0
+        self.reservoir = Reservoir(capacity)
+
+    def add(self, t: float, v: Any, fresh: bool) -> None:
+        self.reads += 1
+        self.fresh += fresh
+        self.last = v
+        if not isinstance(v, (int, float)):
+            return
+        if self.prev_t is None:
+            self.first_t = t
+        else:
+            # zero-order hold: a reading stands until the next reading of the same metric
+            self.weighted += self.prev_v * (t - self.prev_t)
+            self.span += t - self.prev_t
+            if self.counter:
+                # a counter that went down was reset (driver reload): count what it accumulated since
+                self.increase += v - self.prev_v if v >= self.prev_v else v
+        if self.peak is None or v > self.peak:
+            self.peak, self.peak_t = v, t
+        if self.low is None or v < self.low:
+            self.low = v
+        self.prev_t, self.prev_v = t, v
+        self.reservoir.add(float(v))
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"unit": self.unit, "reads": self.reads, "errors": self.errors, "last": self.last}
+        out["fresh_fraction"] = self.fresh / self.reads if self.reads else None
+        if self.peak is None:
+            return out
+        p50, p95, p99 = self.reservoir.percentiles((50, 95, 99))
+        mean = self.weighted / self.span if self.span > 0 else float(self.prev_v)
+        out.update(peak=self.peak, peak_t=self.peak_t, min=self.low, mean=mean, p50=p50, p95=p95, p99=p99)
+        if self.counter:
+            out["increase"] = self.increase
+        return out
+
+
+@dataclass
+class Summary:
+    """What a run looked like. `str(summary)` is a table; `to_dict()` is JSON-able (native units, see `unit`)."""
+
+    rate_hz: float
+    duration_s: float
+    samples: int
+    achieved_rate_hz: float | None
+    interval_error_p99_ms: float | None
+    missed_ticks: int
+    sampler_us_per_sample: float | None
+    sampler_cpu_percent: float | None
+    percentiles_exact: bool
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    energy_j: dict[str, float] = field(default_factory=dict)
+    energy_from_power_j: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    marks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        from gpumon.reports import render_summary
+
+        return render_summary(self)
+
+
+class SummaryBuilder:
+    """Feeds on ticks, readings, errors and marks; `finish()` gives the Summary."""
+
+    def __init__(self, rate_hz: float, units: dict[str, str], counters: set[str], capacity: int = RESERVOIR_SIZE):
+        self.rate_hz = rate_hz
+        self.period = 1.0 / rate_hz
+        self.metrics = {c: MetricStats(u, c in counters, capacity) for c, u in units.items()}
+        self.ticks = 0
+        self.first_t: float | None = None
+        self.last_t: float | None = None
+        self.interval_errors = Reservoir(capacity)
+        self.missed = 0
+        self.errors: dict[str, int] = {}
+        self.lost: list[str] = []
+        self.unsupported: list[str] = []
+        self.marks = 0
+
+    def add_tick(self, t: float) -> None:
+        if self.last_t is not None:
+            gap = t - self.last_t
+            self.interval_errors.add(abs(gap - self.period))
+            self.missed += max(0, round(gap / self.period) - 1)
+        else:
+            self.first_t = t
+        self.last_t = t
+        self.ticks += 1
+
+    def add_error(self, column: str, message: str, failure: str) -> None:
+        key = f"{column}: {message}"
+        self.errors[key] = self.errors.get(key, 0) + 1
+        if column in self.metrics:
+            self.metrics[column].errors += 1
+        if failure == "unsupported" and column not in self.unsupported:
+            self.unsupported.append(column)
+        if failure == "lost":
+            group = column.split(".", 1)[0]
+            if group not in self.lost:
+                self.lost.append(group)
+
+    def finish(self, busy_s: float | None = None, cpu_s: float | None = None) -> Summary:
+        duration = (self.last_t - self.first_t) if self.ticks else 0.0
+        metrics = {c: m.as_dict() for c, m in self.metrics.items() if m.reads or m.errors}
+        energy, from_power = {}, {}
+        for c, m in self.metrics.items():
+            group = c.split(".", 1)[0]
+            if m.counter and m.unit == "mJ" and m.reads >= 2:
+                energy[group] = m.increase / 1000.0
+            if c.endswith(".power_instant_mw") and m.span > 0:
+                from_power[group] = m.weighted / 1000.0
+        (p99,) = self.interval_errors.percentiles((99,)) if self.ticks > 1 else (None,)
+        return Summary(
+            rate_hz=self.rate_hz,
+            duration_s=duration,
+            samples=self.ticks,
+            achieved_rate_hz=(self.ticks - 1) / duration if duration > 0 else None,
+            interval_error_p99_ms=None if p99 is None else p99 * 1e3,
+            missed_ticks=self.missed,
+            sampler_us_per_sample=busy_s / self.ticks * 1e6 if busy_s is not None and self.ticks else None,
+            sampler_cpu_percent=100.0 * cpu_s / duration if cpu_s is not None and duration > 0 else None,
+            percentiles_exact=all(m.reservoir.exact for m in self.metrics.values()),
+            metrics=metrics,
+            energy_j=energy,
+            energy_from_power_j=from_power,
+            errors=dict(self.errors),
+            lost=list(self.lost),
+            unsupported=list(self.unsupported),
+            marks=self.marks,
+        )
