@@ -12,6 +12,8 @@ from lmcore.init_schemes import (
     init_xavier,
     initialize,
 )
+from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
+from lmcore.memory import MemoryEstimate, estimate_memory
 from lmcore.model import GPT, KVCache, LMOutput
 from lmcore.version import __version__
 
@@ -22,8 +24,12 @@ __all__ = [
     "InitReport",
     "KVCache",
     "LMOutput",
+    "LoRALinear",
+    "MemoryEstimate",
     "ModelConfig",
     "__version__",
+    "apply_lora",
+    "estimate_memory",
     "generate",
     "init_gpt2",
     "init_kaiming",
@@ -31,5 +37,8 @@ __all__ = [
     "init_small",
     "init_xavier",
     "initialize",
+    "load_lora",
+    "merge_lora",
     "n_params",
+    "save_lora",
 ]

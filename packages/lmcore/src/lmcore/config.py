@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from alibi_kernels import BACKENDS
+
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
 INIT_SCHEMES = ("gpt2", "kaiming", "xavier", "small")
@@ -89,8 +91,8 @@ class ModelConfig:
         for name in ("bias", "tie_embeddings", "learnable_slopes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.attention_backend, str):
-            raise ValueError(f"ModelConfig.attention_backend must be a str, got {self.attention_backend!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"ModelConfig.attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
     @property
     def head_dim(self) -> int:

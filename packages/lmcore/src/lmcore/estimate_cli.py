@@ -1,0 +1,85 @@
+"""`lmcore-estimate`: print per-GPU training memory for a preset under ZeRO stages and say whether it fits.
+
+Example:
+    lmcore-estimate --preset 1.3b --gpus 16 --zero 0 2 --micro-batch 2 --seq-len 1024 --gpu-memory-gib 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lmcore.config import CHECKPOINTING, PRESETS, ModelConfig
+from lmcore.memory import GIB, PRECISIONS, MemoryEstimate, estimate_memory
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmcore-estimate",
+        description="Per-GPU training memory (ZeRO model-state accounting + Korthikanti et al. activations), in GiB.",
+    )
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary size")
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel world size (all nodes together)")
+    p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3], help="ZeRO stage(s)")
+    p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: preset context length)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--checkpointing", choices=CHECKPOINTING, default="off", help="activation checkpointing")
+    p.add_argument("--gpu-memory-gib", type=float, default=24.0, help="memory of one GPU (24 for an RTX 3090)")
+    return p
+
+
+def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float) -> str:
+    """A text table with one column per configuration, rows in GiB, and a fits line."""
+    rows = [
+        ("parameters", lambda e: e.parameters),
+        ("gradients", lambda e: e.gradients),
+        ("optimizer states", lambda e: e.optimizer_states),
+        ("activations", lambda e: e.activations),
+        ("total per GPU", lambda e: e.total),
+        ("optimizer on CPU", lambda e: e.cpu_optimizer_states),
+    ]
+    width = max(12, *(len(k) + 2 for k in estimates))
+    lines = [f"{'GiB':<18}" + "".join(f"{k:>{width}}" for k in estimates)]
+    for label, get in rows:
+        lines.append(f"{label:<18}" + "".join(f"{get(e) / GIB:>{width}.2f}" for e in estimates.values()))
+    verdicts = ["yes" if e.fits(int(gpu_memory_gib * GIB)) else "NO" for e in estimates.values()]
+    lines.append(f"{f'fits {gpu_memory_gib:g} GiB':<18}" + "".join(f"{v:>{width}}" for v in verdicts))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+    try:
+        config = ModelConfig.from_preset(args.preset, **overrides)
+        seq_len = args.seq_len or config.context_length
+        estimates = {
+            f"zero-{stage}": estimate_memory(
+                config,
+                args.micro_batch,
+                seq_len,
+                args.precision,
+                zero_stage=stage,
+                world_size=args.gpus,
+                offload_optimizer=args.offload_optimizer and stage > 0,
+                activation_checkpointing=args.checkpointing,
+            )
+            for stage in args.zero
+        }
+    except ValueError as exc:
+        print(f"lmcore-estimate: error: {exc}", file=sys.stderr)
+        return 2
+    n = next(iter(estimates.values())).n_params
+    print(
+        f"{args.preset}: {n:,} parameters, {args.gpus} GPU(s), micro-batch {args.micro_batch} x {seq_len} tokens, "
+        f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer}"
+    )
+    print(format_table(estimates, args.gpu_memory_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""LoRA (Hu et al. 2021): low-rank adapters on chosen linear layers, merged back or saved on their own.
+
+W x + (alpha / r) * B A dropout(x), with A (r, in) kaiming-uniform and B (out, r) zeros, so an adapted model
+computes exactly what the base model does until B is trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+# Short target names -> the attribute names of the linear layers in lmcore.model.
+TARGET_MODULES = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+DEFAULT_TARGETS = ("q", "k", "v", "o")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update scaled by alpha / r."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base = base
+        self.r, self.alpha = r, alpha
+        self.scaling = alpha / r
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
+        # The same kaiming-uniform nn.Linear and PEFT use for A; B = 0 keeps the output unchanged at step 0.
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.lora_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        update = self.lora_dropout(x) @ self.lora_A.t() @ self.lora_B.t()  # (..., in) -> (..., r) -> (..., out)
+        return self.base(x) + update * self.scaling
+
+    def merged_weight(self) -> Tensor:
+        """W + (alpha / r) B A: the weight of a plain Linear computing the same function (without dropout)."""
+        return self.base.weight + (self.lora_B @ self.lora_A) * self.scaling
+
+
+def _resolve_targets(targets: Iterable[str]) -> set[str]:
+    names = set()
+    for t in targets:
+        if t == "mlp":
+            names |= {"gate_proj", "up_proj", "down_proj"}
+        elif t in TARGET_MODULES:
+            names.add(TARGET_MODULES[t])
+        elif t in TARGET_MODULES.values():
+            names.add(t)
+        else:
+            raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(TARGET_MODULES)} or 'mlp'")
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every adapter in `model` by its module name, e.g. 'layers.0.self_attn.q_proj'."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def apply_lora(
+    model: nn.Module,
+    targets: Iterable[str] = DEFAULT_TARGETS,
+    r: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+) -> nn.Module:
+    """Replace the target linear layers of `model` by LoRA adapters in place and freeze everything else.
+
+    `targets`: any of q, k, v, o, gate, up, down, or "mlp" for all MLP layers. Afterwards only the
+    adapters' A and B require grad. Returns `model`.
+
+    Example:
+        >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), r=64, alpha=16, dropout=0.1)
+        >>> all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+        True
+    """
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"LoRA rank r must be a positive int, got {r!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    if lora_modules(model):
+        raise ValueError("model already has LoRA adapters; merge_lora() it first")
+    wanted = _resolve_targets(targets)
+    found = [
+        (parent, attr)
+        for parent in model.modules()
+        for attr, child in parent.named_children()
+        if attr in wanted and isinstance(child, nn.Linear)
+    ]
+    if not found:
+        raise ValueError(f"no linear layer named {sorted(wanted)} in the model (swiglu-only 'gate'?)")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for parent, attr in found:
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
+    model.lora_settings = {"targets": sorted(wanted), "r": r, "alpha": alpha, "dropout": dropout}
+    return model
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put the plain nn.Linear back; all parameters require grad again.
+
+    Example:
+        >>> merged = merge_lora(model)  # doctest: +SKIP
+    """
+    adapters = lora_modules(model)
+    if not adapters:
+        raise ValueError("model has no LoRA adapters to merge")
+    for name, adapter in adapters.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        adapter.base.weight.copy_(adapter.merged_weight())
+        setattr(parent, attr, adapter.base)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.__dict__.pop("lora_settings", None)
+    return model
+
+
+def save_lora(model: nn.Module, path: str | Path) -> Path:
+    """Write only the adapter weights (A and B) to a safetensors file, with r, alpha, dropout, targets as metadata.
+
+    Example:
+        >>> save_lora(model, "adapters.safetensors")  # doctest: +SKIP
+    """
+    adapters = lora_modules(model)
+    if not adapters:
+        raise ValueError("model has no LoRA adapters to save")
+    tensors = {}
+    for name, adapter in adapters.items():
+        tensors[f"{name}.lora_A"] = adapter.lora_A.detach().contiguous()
+        tensors[f"{name}.lora_B"] = adapter.lora_B.detach().contiguous()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"lora_settings": json.dumps(model.lora_settings)})
+    return path
+
+
+def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load adapters saved by `save_lora` into `model`, applying LoRA first (with the saved settings) if needed.
+
+    A key or shape that does not match the model raises ValueError naming it.
+
+    Example:
+        >>> model = load_lora(GPT.from_pretrained("base"), "adapters.safetensors")  # doctest: +SKIP
+    """
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if "lora_settings" not in metadata:
+            raise ValueError(f"{path} has no lora_settings metadata: not a save_lora() file")
+        settings = json.loads(metadata["lora_settings"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    if not lora_modules(model):
+        apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"])
+    params = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match the model's adapters: missing {missing[:4]}, extra {unexpected[:4]}")
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            if tensor.shape != params[key].shape:
+                want = tuple(params[key].shape)
+                raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, the model has {want}")
+            params[key].copy_(tensor)
+    return model

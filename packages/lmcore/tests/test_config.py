@@ -1,0 +1,95 @@
+import dataclasses
+
+import pytest
+import torch
+
+from lmcore import GPT, PRESETS, ModelConfig, n_params
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_built_on_meta_device_has_the_closed_form_count(name):
+    config = ModelConfig.from_preset(name)
+    with torch.device("meta"):
+        model = GPT(config)
+    real = sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+    assert real == n_params(config)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(activation="swiglu"),
+        dict(tie_embeddings=False),
+        dict(bias=False),
+        dict(norm="rmsnorm"),
+        dict(n_kv_head=1),
+        dict(learnable_slopes=True),
+        dict(bias=False, norm="rmsnorm", activation="swiglu", n_kv_head=2, tie_embeddings=False, d_ff=100),
+    ],
+)
+def test_closed_form_count_follows_every_architecture_switch(overrides):
+    config = ModelConfig.from_preset("tiny", **overrides)
+    real = sum(p.numel() for p in GPT(config).parameters())
+    assert real == n_params(config)
+
+
+def test_non_embedding_count_leaves_out_embedding_and_untied_head():
+    config = ModelConfig.from_preset("tiny", tie_embeddings=False)
+    embedding = config.vocab_size * config.d_model
+    assert n_params(config) - n_params(config, non_embedding=True) == 2 * embedding
+
+
+def test_gpt3_shapes_of_the_large_presets():
+    # Shapes fixed by the issue (GPT-3 XL and 2.7B); the counts themselves come from n_params.
+    xl, big = ModelConfig.from_preset("1.3b"), ModelConfig.from_preset("2.7b")
+    assert (xl.n_layer, xl.d_model, xl.n_head) == (24, 2048, 16)
+    assert (big.n_layer, big.d_model, big.n_head) == (32, 2560, 32)
+    assert 1.2e9 < n_params(xl) < 1.4e9 and 2.5e9 < n_params(big) < 2.8e9
+
+
+def test_cpu_small_is_a_few_million_parameters():
+    assert 1e6 < n_params(ModelConfig.from_preset("cpu-small")) < 2e7
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(n_head=3), "d_model"),
+        (dict(n_kv_head=3), "n_kv_head"),
+        (dict(norm="batchnorm"), "norm"),
+        (dict(activation="relu"), "activation"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(init="orthogonal"), "init"),
+        (dict(checkpointing="full"), "checkpointing"),
+        (dict(n_layer=0), "n_layer"),
+        (dict(vocab_size=10.5), "vocab_size"),
+        (dict(d_model=32, n_head=4), "head dim"),
+        (dict(attention_backend="flash"), "attention_backend"),
+        (dict(bias="yes"), "bias"),
+        (dict(norm_eps=0), "norm_eps"),
+    ],
+)
+def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_unknown_preset_and_unknown_field_are_errors():
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        ModelConfig.from_preset("huge")
+    with pytest.raises(ValueError, match="n_layers"):
+        ModelConfig.from_dict({"n_layers": 2})
+
+
+def test_dict_round_trip_keeps_every_field():
+    config = ModelConfig.from_preset("tiny", activation="swiglu", n_kv_head=2, learnable_slopes=True)
+    again = ModelConfig.from_dict(config.to_dict())
+    assert again == config
+    assert set(config.to_dict()) == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_defaults_resolve_kv_heads_and_mlp_width():
+    gelu = ModelConfig.from_preset("tiny")
+    swiglu = ModelConfig.from_preset("tiny", activation="swiglu")
+    assert gelu.n_kv_head == gelu.n_head and gelu.d_ff == 4 * gelu.d_model
+    assert swiglu.d_ff % 64 == 0 and swiglu.d_ff >= 8 * swiglu.d_model / 3
