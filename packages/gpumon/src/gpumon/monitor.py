@@ -136,6 +136,10 @@ class Monitor:
         """The most recent value of every metric, by column name (`gpu0.memory_used_bytes`, ...)."""
         return {} if self._sampler is None else self._sampler.latest()
 
+    def status(self) -> dict[str, Any]:
+        """Cheap progress figures for a live display: ticks, achieved_rate_hz, errors (a count)."""
+        return {"ticks": 0, "achieved_rate_hz": 0.0, "errors": 0} if self._sampler is None else self._sampler.status()
+
     @property
     def columns(self) -> list[str]:
         return [] if self._sampler is None else list(self._sampler.columns)

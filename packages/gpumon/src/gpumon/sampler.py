@@ -127,6 +127,13 @@ class Sampler:
         """The last value read of every metric (None before its first read)."""
         return dict(zip(self.columns, self._last, strict=True))
 
+    def status(self) -> dict[str, Any]:
+        """Cheap progress figures (no percentiles): ticks, achieved rate so far, errors counted."""
+        b = self._builder
+        span = (b.last_t - b.first_t) if b.ticks > 1 else 0.0
+        rate = (b.ticks - 1) / span if span > 0 else 0.0
+        return {"ticks": b.ticks, "achieved_rate_hz": rate, "errors": sum(b.errors.values())}
+
     def summary(self) -> Summary:
         with self._lock:
             return self._builder.finish(busy_s=self.busy_s, cpu_s=self.cpu_s)

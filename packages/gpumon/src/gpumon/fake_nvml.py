@@ -1,0 +1,259 @@
+"""A stand-in `pynvml` module for machines without an NVIDIA driver (tests, the benchmark, CI).
+
+It mimics the parts of NVIDIA's binding that gpumon calls: the NVMLError hierarchy mapped from error codes,
+per-field status in nvmlDeviceGetFieldValues, and integer units. Each simulated metric refreshes on its own
+period (the value changes once per period, as the driver's counters do), a GPU can lack a metric
+(NotSupported) or disappear at a given time (GPU_IS_LOST from then on).
+
+Example:
+    >>> fake = FakeNVML()            # two GPUs
+    >>> monkeypatch.setitem(sys.modules, "pynvml", fake)
+    >>> gpumon.devices()[1]["name"]
+    'Fake GPU 1'
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+# The binding's constants (same values as nvidia-ml-py's pynvml).
+CONSTANTS = {
+    "NVML_SUCCESS": 0,
+    "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_ERROR_NOT_SUPPORTED": 3,
+    "NVML_ERROR_DRIVER_NOT_LOADED": 9,
+    "NVML_ERROR_LIBRARY_NOT_FOUND": 12,
+    "NVML_ERROR_GPU_IS_LOST": 15,
+    "NVML_ERROR_UNKNOWN": 999,
+    "NVML_TEMPERATURE_GPU": 0,
+    "NVML_CLOCK_SM": 1,
+    "NVML_CLOCK_MEM": 2,
+    "NVML_PCIE_UTIL_TX_BYTES": 0,
+    "NVML_PCIE_UTIL_RX_BYTES": 1,
+    "NVML_GPU_UTILIZATION_SAMPLES": 1,
+    "NVML_VALUE_TYPE_DOUBLE": 0,
+    "NVML_VALUE_TYPE_UNSIGNED_INT": 1,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG": 2,
+    "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 3,
+    "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 4,
+    "NVML_VALUE_TYPE_SIGNED_INT": 5,
+    "NVML_FI_DEV_POWER_AVERAGE": 185,
+    "NVML_FI_DEV_POWER_INSTANT": 186,
+    "NVML_FI_DEV_ENERGY": 191,
+}
+MESSAGES = {
+    1: "Uninitialized",
+    3: "Not Supported",
+    9: "Driver Not Loaded",
+    12: "NVML Shared Library Not Found",
+    15: "GPU is lost",
+    999: "Unknown Error",
+}
+
+# Seconds between changes of each simulated metric (illustrative, not a claim about real hardware).
+DEFAULT_REFRESH = {
+    "memory": 0.005,
+    "power_instant": 0.02,
+    "power_average": 1.0,
+    "energy": 0.01,
+    "temperature": 1.0,
+    "clocks": 0.1,
+    "clock_events": 0.1,
+    "utilization": 1.0 / 6.0,
+    "pcie": 0.02,
+    "processes": 0.5,
+}
+POWER_W = 300.0  # the simulated draw behind the energy counter: it gains POWER_W * 1000 mJ per second
+
+
+class NVMLError(Exception):
+    """Like pynvml.NVMLError: constructing it with a code gives the matching subclass."""
+
+    _by_code: dict[int, type[NVMLError]] = {}
+
+    def __new__(cls, value: int):
+        if cls is NVMLError:
+            cls = NVMLError._by_code.get(value, NVMLError)
+        obj = Exception.__new__(cls)
+        obj.value = value
+        return obj
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return MESSAGES.get(self.value, f"NVML error {self.value}")
+
+
+def _error_class(name: str, code: int) -> type[NVMLError]:
+    cls = type(f"NVMLError_{name}", (NVMLError,), {"__new__": lambda c, *a: NVMLError.__new__(c, code)})
+    NVMLError._by_code[code] = cls
+    return cls
+
+
+ERROR_CLASSES = {
+    "NVMLError_Uninitialized": _error_class("Uninitialized", 1),
+    "NVMLError_NotSupported": _error_class("NotSupported", 3),
+    "NVMLError_DriverNotLoaded": _error_class("DriverNotLoaded", 9),
+    "NVMLError_LibraryNotFound": _error_class("LibraryNotFound", 12),
+    "NVMLError_GpuIsLost": _error_class("GpuIsLost", 15),
+    "NVMLError_Unknown": _error_class("Unknown", 999),
+}
+
+
+@dataclass
+class FakeGPU:
+    """One simulated GPU. `unsupported` names metrics from DEFAULT_REFRESH; `lost_at` is seconds after creation."""
+
+    name: str
+    uuid: str
+    memory_total: int = 80 * 2**30
+    refresh: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_REFRESH))
+    unsupported: set[str] = field(default_factory=set)
+    lost_at: float | None = None
+    utilization_samples: bool = True
+
+
+def two_gpus(**second: Any) -> list[FakeGPU]:
+    """GPU 0 supports everything; GPU 1 gets the keyword arguments (unsupported=..., lost_at=...)."""
+    return [
+        FakeGPU("Fake GPU 0", "GPU-00000000-1111-2222-3333-444444444444"),
+        FakeGPU("Fake GPU 1", "GPU-99999999-8888-7777-6666-555555555555", **second),
+    ]
+
+
+class FakeNVML(types.ModuleType):
+    """The fake module. `driver=False` makes nvmlInit raise NVMLError_LibraryNotFound, as on a host without one."""
+
+    def __init__(
+        self, gpus: list[FakeGPU] | None = None, clock: Callable[[], float] = time.monotonic, driver: bool = True
+    ) -> None:
+        super().__init__("pynvml")
+        self.__dict__.update(CONSTANTS)
+        self.__dict__.update(ERROR_CLASSES)
+        self.NVMLError = NVMLError
+        self.gpus = two_gpus() if gpus is None else gpus
+        self.clock = clock
+        self.t0 = clock()
+        self.driver = driver
+        self.init_count = 0
+        self.calls = 0
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _gpu(self, handle: int, metric: str | None = None) -> FakeGPU:
+        self.calls += 1
+        if self.init_count <= 0:
+            raise NVMLError(1)
+        gpu = self.gpus[handle]
+        if gpu.lost_at is not None and self.clock() - self.t0 >= gpu.lost_at:
+            raise NVMLError(15)
+        if metric is not None and metric in gpu.unsupported:
+            raise NVMLError(3)
+        return gpu
+
+    def _bucket(self, gpu: FakeGPU, metric: str) -> int:
+        return math.floor((self.clock() - self.t0) / gpu.refresh[metric])
+
+    def _wave(self, gpu: FakeGPU, metric: str, low: int, step: int) -> int:
+        # 3 and 7 are coprime: consecutive periods always give different values, as a real refresh would
+        return low + step * ((self._bucket(gpu, metric) * 3) % 7)
+
+    # -- the pynvml API used by gpumon ----------------------------------------------------------------------
+    def nvmlInit(self) -> None:
+        if not self.driver:
+            raise NVMLError(12)
+        self.init_count += 1
+
+    def nvmlShutdown(self) -> None:
+        if self.init_count <= 0:
+            raise NVMLError(1)
+        self.init_count -= 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        if self.init_count <= 0:
+            raise NVMLError(1)
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        self._gpu(index)
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        return self._gpu(handle).name
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+        self._gpu(handle)
+        return (9, 0)
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: int) -> int:
+        self._gpu(handle)
+        return 700_000
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        gpu = self._gpu(handle, "memory")
+        used = self._wave(gpu, "memory", 2**30, 2**20)
+        return SimpleNamespace(total=gpu.memory_total, used=used, free=gpu.memory_total - used)
+
+    def nvmlDeviceGetFieldValues(self, handle: int, field_ids: list[int]) -> list[SimpleNamespace]:
+        gpu = self._gpu(handle)
+        out = []
+        for fid in field_ids:
+            metric = {186: "power_instant", 185: "power_average", 191: "energy"}.get(fid)
+            fv = SimpleNamespace(
+                fieldId=fid,
+                scopeId=0,
+                timestamp=int(self.clock() * 1e6),
+                latencyUsec=0,
+                valueType=1,
+                nvmlReturn=0,
+                value=SimpleNamespace(uiVal=0, ullVal=0, dVal=0.0),
+            )
+            if metric is None or metric in gpu.unsupported:
+                fv.nvmlReturn = 3
+            elif metric == "energy":
+                fv.valueType = 3
+                fv.value.ullVal = int(self._bucket(gpu, "energy") * gpu.refresh["energy"] * POWER_W * 1000)
+            else:
+                fv.value.uiVal = self._wave(gpu, metric, 250_000, 10_000)
+            out.append(fv)
+        return out
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return self._wave(self._gpu(handle, "temperature"), "temperature", 40, 1)
+
+    def nvmlDeviceGetClockInfo(self, handle: int, kind: int) -> int:
+        gpu = self._gpu(handle, "clocks")
+        return self._wave(gpu, "clocks", 1500 if kind == 1 else 2600, 15)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
+        gpu = self._gpu(handle, "clock_events")
+        return 0x4 if self._bucket(gpu, "clock_events") % 2 else 0x0
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        gpu = self._gpu(handle, "utilization")
+        return SimpleNamespace(gpu=self._wave(gpu, "utilization", 30, 10), memory=self._wave(gpu, "utilization", 5, 5))
+
+    def nvmlDeviceGetSamples(self, handle: int, kind: int, since: int) -> tuple[int, list[SimpleNamespace]]:
+        gpu = self._gpu(handle)
+        if not gpu.utilization_samples:
+            raise NVMLError(3)
+        step = int(gpu.refresh["utilization"] * 1e6)
+        return 1, [SimpleNamespace(timeStamp=1_000_000 + i * step, sampleValue=None) for i in range(10)]
+
+    def nvmlDeviceGetPcieThroughput(self, handle: int, counter: int) -> int:
+        return self._wave(self._gpu(handle, "pcie"), "pcie", 1000 + 500 * counter, 100)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[SimpleNamespace]:
+        gpu = self._gpu(handle, "processes")
+        n = 1 + self._bucket(gpu, "processes") % 2
+        return [SimpleNamespace(pid=1000 + i, usedGpuMemory=(i + 1) * 2**28) for i in range(n)]

@@ -1,0 +1,90 @@
+"""`gpumon plot`: timelines of a recording, one panel per metric kind and one line per GPU, with the marks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpumon.recording import Recording
+
+# (panel title, column suffix, divisor to display units)
+PANELS = [
+    ("memory used (GiB)", ".memory_used_bytes", 2**30),
+    ("power, instant (W)", ".power_instant_mw", 1000.0),
+    ("power, average (W)", ".power_average_mw", 1000.0),
+    ("GPU utilisation (%)", ".util_gpu_pct", 1.0),
+    ("SM clock (MHz)", ".sm_clock_mhz", 1.0),
+    ("temperature (C)", ".temperature_c", 1.0),
+    ("PCIe rx (MB/s)", ".pcie_rx_kbps", 1000.0),
+    ("host CPU (%)", "host.cpu_pct", 1.0),
+    ("process tree CPU (% of one core)", "host.tree_cpu_pct", 1.0),
+    ("process tree RSS (GiB)", "host.tree_rss_bytes", 2**30),
+]
+MAX_POINTS = 20_000  # per line; longer series keep each bucket's maximum so that peaks survive
+MAX_MARK_LINES = 200
+
+
+def _decimate(times: list[float], values: list[float]) -> tuple[list[float], list[float]]:
+    n = len(values)
+    if n <= MAX_POINTS:
+        return times, values
+    step = -(-n // MAX_POINTS)
+    out_t, out_v = [], []
+    for start in range(0, n, step):
+        chunk = values[start : start + step]
+        i = max(range(len(chunk)), key=chunk.__getitem__)
+        out_t.append(times[start + i])
+        out_v.append(chunk[i])
+    return out_t, out_v
+
+
+def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write a PNG of the recording's timelines (matplotlib, Agg backend: no display needed).
+
+    Example:
+        >>> plot_recording("run/gpu.csv", "run/gpu.png")
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rec = Recording(path)
+    panels = []
+    for title, suffix, scale in PANELS:
+        columns = [c for c in rec.columns if c.endswith(suffix)]
+        if columns:
+            panels.append((title, columns, scale))
+    series = rec.series([c for _, cols, _ in panels for c in cols])
+    panels = [(t, [c for c in cols if series[c][0]], s) for t, cols, s in panels]
+    panels = [p for p in panels if p[1]]
+    marks = rec.marks()
+    fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(11, 2.2 * max(1, len(panels))), sharex=True,
+                             squeeze=False)  # fmt: skip
+    names = sorted({label for _, label, _ in marks})
+    colors = {name: f"C{(i + 3) % 10}" for i, name in enumerate(names)}
+    stride = max(1, -(-len(marks) // MAX_MARK_LINES))
+    for ax, (title, columns, scale) in zip(axes[:, 0], panels, strict=False):
+        for column in columns:
+            times, values = _decimate(*series[column])
+            ax.plot(times, [v / scale for v in values], lw=0.8, drawstyle="steps-post", label=column.split(".", 1)[0])
+        for t, label, _ in marks[::stride]:
+            ax.axvline(t, color=colors[label], lw=0.5, alpha=0.5)
+        ax.set_ylabel(title, fontsize=8)
+        ax.grid(alpha=0.3)
+        if len(columns) > 1:
+            ax.legend(fontsize=7, loc="upper right")
+    if not panels:
+        axes[0, 0].text(0.5, 0.5, "no numeric samples in this recording", ha="center", va="center")
+    axes[-1, 0].set_xlabel("seconds since start")
+    legend = ", ".join(f"{n} ({colors[n]})" for n in names)
+    title = f"{rec.path.name}: {len(marks)} marks" + (f" [{legend}]" if names else "")
+    if stride > 1:
+        title += f", every {stride}th drawn"
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
