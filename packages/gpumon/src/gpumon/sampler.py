@@ -25,6 +25,15 @@ JOIN_TIMEOUT_S = 5.0
 MAX_SLEEP_S = 0.05
 
 
+def next_tick_index(k: int, elapsed: float, period: float) -> int:
+    """The tick to run after tick k, `elapsed` seconds after t0; its deadline is t0 + index * period.
+
+    Normally k + 1. When more than a whole period late, the deadlines already missed are skipped (the latest of
+    them runs at once) instead of being run back to back, and the grid itself never shifts.
+    """
+    return max(k + 1, math.floor(elapsed / period))
+
+
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return repr(round(value, 3))
@@ -103,8 +112,12 @@ class Sampler:
         if self._thread is not None:
             self._thread.join(JOIN_TIMEOUT_S)
         with self._lock:
+            events: list[tuple[float, str, str, str]] = []
+            self._take_marks(events)  # marks made after the last tick
             if self._writer is not None:
                 try:
+                    for et, kind, label, value in events:
+                        self._writer.event(et, kind, label, value)
                     self._writer.close(
                         {
                             "ticks": self._builder.ticks,
@@ -155,8 +168,7 @@ class Sampler:
             self.sample_once(self.clock() - t0)
             self.busy_s += time.perf_counter() - started
             self.cpu_s = time.thread_time() - cpu_start
-            # next deadline on the absolute grid; skip the ones already missed rather than bursting
-            k = max(k + 1, math.floor((self.clock() - t0) / self.period))
+            k = next_tick_index(k, self.clock() - t0, self.period)
         self.cpu_s = time.thread_time() - cpu_start
 
     def sample_once(self, t: float) -> None:
@@ -197,10 +209,7 @@ class Sampler:
                 cells[j] = _cell(value) if fresh else STALE
                 self._last[j] = value
                 metrics[column].add(t, value, fresh)
-        while self._marks:
-            mt, label, value = self._marks.popleft()
-            builder.marks += 1
-            events.append((mt, "mark", label, "" if value is None else str(value)))
+        self._take_marks(events)
         builder.add_tick(t)
         if self._writer is not None:
             try:
@@ -213,6 +222,12 @@ class Sampler:
             except OSError as exc:  # disk full, file removed: keep sampling in memory, report it
                 self._count("file", f"writing stopped: {exc}", "error")
                 self._writer = None
+
+    def _take_marks(self, events: list[tuple[float, str, str, str]]) -> None:
+        while self._marks:
+            mt, label, value = self._marks.popleft()
+            self._builder.marks += 1
+            events.append((mt, "mark", label, "" if value is None else str(value)))
 
     def _failed(self, p: Poller, i: int, column: str, exc: BaseException, events: list) -> None:
         try:

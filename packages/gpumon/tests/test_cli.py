@@ -1,0 +1,86 @@
+"""The `gpumon` command in a subprocess, where there really is no NVIDIA driver."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+
+def _driver_present() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+NO_DRIVER = not _driver_present()
+needs_no_driver = pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is present here")
+
+
+def gpumon(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "gpumon", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_entry_point_is_declared():
+    (ep,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "gpumon"]
+    assert ep.value == "gpumon.cli:main"
+
+
+@needs_no_driver
+def test_watch_without_driver_prints_one_line_and_exits_2():
+    result = gpumon("watch")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--host" in lines[0] and "driver" in lines[0]
+
+
+def test_watch_host_draws_the_table():
+    result = gpumon("watch", "--host", "--iterations", "2", "--refresh", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("gpumon watch") == 2 and "tree_rss_bytes" in result.stdout
+
+
+@needs_no_driver
+def test_record_passes_the_exit_code_through_and_falls_back_to_host(tmp_path):
+    out = tmp_path / "rec.csv"
+    result = gpumon(
+        "record", "-o", str(out), "--", sys.executable, "-c", "import time, sys; time.sleep(0.3); sys.exit(3)"
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "warning" in result.stderr and "host only" in result.stderr
+    assert "samples" in result.stderr  # the summary
+    summary = gpumon("summary", str(out))
+    assert summary.returncode == 0 and "host.tree_rss_bytes" in summary.stdout
+    as_json = gpumon("summary", "--json", str(out))
+    assert as_json.returncode == 0 and '"achieved_rate_hz"' in as_json.stdout
+    png = tmp_path / "rec.png"
+    plot = gpumon("plot", str(out), "-o", str(png))
+    assert plot.returncode == 0, plot.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_record_reports_a_signal_as_128_plus_n(tmp_path):
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
+    result = gpumon("record", "--host", "-o", str(tmp_path / "r.csv"), "--", sys.executable, "-c", code)
+    assert result.returncode == 128 + 15
+
+
+def test_record_of_a_missing_command_exits_127(tmp_path):
+    result = gpumon("record", "--host", "-o", str(tmp_path / "r.csv"), "--", "no-such-command-gpumon")
+    assert result.returncode == 127 and "Traceback" not in result.stderr
+
+
+def test_summary_of_a_bad_file_exits_2(tmp_path):
+    missing = gpumon("summary", str(tmp_path / "nope.csv"))
+    assert missing.returncode == 2 and "no such recording" in missing.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    result = gpumon("summary", str(bad))
+    assert result.returncode == 2 and "not a gpumon recording" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,117 @@
+"""Monitor end to end in its background thread: the fake NVML for GPUs, the real host backend."""
+
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+import gpumon
+from gpumon.fake_nvml import FakeNVML, two_gpus
+from gpumon.host_backend import HostBackend
+from gpumon.recording import Recording
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    module = FakeNVML(two_gpus(lost_at=0.15, unsupported={"power_instant"}))
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return module
+
+
+def test_monitor_records_marks_and_survives_a_lost_gpu(fake, tmp_path):
+    out = tmp_path / "run" / "gpu.csv"
+    with gpumon.Monitor(rate_hz=100, out=out) as mon:
+        for step in range(6):
+            mon.mark("step", step)
+            time.sleep(0.05)
+        mon.mark("phase", "eval")
+    summary = mon.summary()
+    assert summary.lost == ["gpu1"] and "gpu1.power_instant_mw" in summary.unsupported
+    assert summary.samples >= 10  # not a timing claim: only that the thread kept sampling after the loss
+    assert summary.metrics["gpu0.memory_used_bytes"]["reads"] > summary.metrics["gpu1.memory_used_bytes"]["reads"]
+    assert summary.marks == 7 and summary.sampler_us_per_sample > 0 and summary.sampler_cpu_percent >= 0
+    assert fake.init_count == 0
+    rec = Recording(out)
+    assert rec.meta["backends"] == ["nvml", "host"] and rec.trailer is not None
+    assert [(label, value) for _, label, value in rec.marks()] == [("step", str(i)) for i in range(6)] + [
+        ("phase", "eval")
+    ]
+    times = [t for t, _, _ in rec.marks()]
+    assert times == sorted(times)
+    file_summary = gpumon.summarize_recording(out)
+    assert file_summary.samples == summary.samples and file_summary.lost == ["gpu1"]
+    assert file_summary.metrics["gpu0.temperature_c"]["peak"] == summary.metrics["gpu0.temperature_c"]["peak"]
+
+
+def test_auto_falls_back_to_host_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(driver=False))
+    with pytest.warns(UserWarning, match="monitoring the host only"), gpumon.Monitor(rate_hz=50) as mon:
+        time.sleep(0.05)
+    assert mon.fallback_reason and all(c.startswith("host.") for c in mon.columns)
+
+
+def test_nvml_backend_without_driver_raises_at_the_boundary(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML(driver=False))
+    mon = gpumon.Monitor(backend="nvml")
+    with pytest.raises(gpumon.NVMLUnavailable):
+        mon.start()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"backend": "cuda"}, "backend"), ({"rate_hz": 0}, "rate_hz"), ({"periods": {"memroy": 0.1}}, "periods")],
+)
+def test_bad_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        gpumon.Monitor(**kwargs)
+
+
+def test_mark_and_stop_never_raise():
+    mon = gpumon.Monitor(backend="host")
+    mon.mark("before start", object())
+    mon.stop()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mon = gpumon.Monitor(backend="host", rate_hz=200).start()
+    mon.mark("odd value", {"a": [1, 2]})
+    mon.stop()
+    mon.stop()
+    assert mon.summary().marks == 1
+
+
+def test_host_backend_follows_a_real_process_tree(tmp_path):
+    # a parent that starts a child holding 64 MiB: the tree's RSS must include the child's memory
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import time; x = bytearray(64 << 20); x[::4096] = bytes(len(x[::4096])); time.sleep(3)'])\n"
+        "time.sleep(3); child.kill()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.6)  # both interpreters started and the child touched its pages
+        backend = HostBackend(pid=parent.pid)
+        rss, processes = backend.read_memory()
+        backend.read_cpu()
+        time.sleep(0.1)
+        system_cpu, tree_cpu = backend.read_cpu()
+        backend.close()
+    finally:
+        parent.kill()
+        parent.wait()
+    assert processes == 2
+    assert rss > 64 * 2**20
+    assert 0.0 <= system_cpu <= 100.0 and tree_cpu >= 0.0
+
+
+def test_host_backend_reports_the_root_process_gone():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    backend = HostBackend(pid=proc.pid)
+    proc.wait()
+    time.sleep(0.05)
+    with pytest.raises(Exception) as info:
+        backend.read_memory()
+    assert backend.classify(info.value) == "lost"
