@@ -1,5 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
+
+DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
+WIKITEXT = DATA / "wikitext-2" / "valid.txt"
+SPECIAL = ["<|user|>", "<|assistant|>", "<|end|>"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +16,55 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _need(path: Path) -> Path:
+    if not path.is_file():
+        pytest.skip(f"test data {path} is absent (expected ../shared/data next to the repository root)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 200 KB of real text: the head of TinyShakespeare (a slice written to tmp, never into the repo)."""
+    text = _need(SHAKESPEARE).read_bytes()[:200_000]
+    out = tmp_path_factory.mktemp("corpus") / "shakespeare_200k.txt"
+    out.write_bytes(text[: text.rindex(b"\n") + 1])
+    return out
+
+
+@pytest.fixture(scope="session")
+def wiki_text(tmp_path_factory) -> Path:
+    """About 100 KB of WikiText-2 validation text, blank-line separated articles."""
+    text = _need(WIKITEXT).read_bytes()[:100_000]
+    out = tmp_path_factory.mktemp("wiki") / "wiki_100k.txt"
+    out.write_bytes(text[: text.rindex(b"\n") + 1])
+    return out
+
+
+@pytest.fixture(scope="session")
+def lossless_model(corpus, tmp_path_factory) -> Path:
+    """A byte-fallback BPE model that keeps whitespace and newlines as they are, so decode(encode(x)) == x."""
+    from tokbin import train_tokenizer
+
+    prefix = tmp_path_factory.mktemp("spm") / "lossless"
+    return train_tokenizer(
+        [corpus],
+        prefix,
+        500,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=False,
+        remove_extra_whitespaces=False,
+        user_defined_symbols=SPECIAL,
+        minloglevel=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def other_model(corpus, tmp_path_factory) -> Path:
+    """A different tokenizer (unigram, default normalisation) for identity-mismatch tests."""
+    from tokbin import train_tokenizer
+
+    prefix = tmp_path_factory.mktemp("spm") / "other"
+    return train_tokenizer([corpus], prefix, 500, model_type="unigram", minloglevel=2)

@@ -3,13 +3,28 @@
 from tokbin.cleaning import clean_text
 from tokbin.encode import encode_files
 from tokbin.errors import TokenFileError
-from tokbin.loader import ClosableBackgroundGenerator, Loader
 from tokbin.samplers import DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
-from tokbin.sft import IGNORE_INDEX, sft_example
 from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
 from tokbin.writer import write_tokens
+
+# torch-backed parts load on first access, so the CLI and file tools start without importing torch
+_LAZY = {
+    "ClosableBackgroundGenerator": "tokbin.loader",
+    "Loader": "tokbin.loader",
+    "IGNORE_INDEX": "tokbin.sft",
+    "sft_example": "tokbin.sft",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokbin' has no attribute {name!r}")
+
 
 __all__ = [
     "BLOCK_TOKENS",

@@ -16,6 +16,8 @@ _BLANK_RUNS = re.compile(r"\n{3,}")
 def clean_text(text: str) -> str:
     """Strip HTML tags and citation marks, squeeze runs of spaces/tabs and of blank lines (paragraphs survive).
 
+    Meant for prose (web or Wikipedia text), not code: ``x[0]`` reads as a citation mark and is removed.
+
     Example: ``clean_text("<b>Paris</b>[1]  is\\n\\n\\n\\nbig")`` gives ``"Paris is\\n\\nbig"``.
     """
     text = _HTML_TAG.sub("", text)

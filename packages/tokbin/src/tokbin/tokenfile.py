@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from tokbin.errors import TokenFileError
@@ -21,15 +21,25 @@ from tokbin.fileformat import (
     unpack_header,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 BLOCK_TOKENS = 1 << 17
 _VERIFY_CHUNK = 1 << 24  # tokens per verify step: large enough to amortise, small enough to bound memory
+
+
+def _torch():
+    # imported on first use so that `tokbin info/verify/encode` start without paying for `import torch`
+    import torch
+
+    return torch
 
 
 def _zero_copy_tensor(arr: np.ndarray) -> torch.Tensor:
     # torch warns that the memmap is read-only; the tensor shares its memory and must not be written to
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(arr)
+        return _torch().from_numpy(arr)
 
 
 class TokenFile:
@@ -156,7 +166,7 @@ class TokenFile:
         both = np.empty((2, starts.size, seq_len), dtype=np.int64)
         both[0] = rows[:, :-1]  # the widening copy writes straight into contiguous inputs and targets
         both[1] = rows[:, 1:]
-        t = torch.from_numpy(both)
+        t = _torch().from_numpy(both)
         return t[0], t[1]
 
     def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:

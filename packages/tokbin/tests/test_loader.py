@@ -1,0 +1,115 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tokbin import ClosableBackgroundGenerator, EpochWindows, Loader, RandomWindows, write_tokens
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    rng = np.random.default_rng(0)
+    return write_tokens(tmp_path / "t.bin", rng.integers(0, 50_000, size=200_000), vocab_size=50_000)
+
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if isinstance(t, ClosableBackgroundGenerator) and t.is_alive()]
+
+
+def test_batches_follow_the_sampler_and_shift_targets(token_file):
+    ids = np.asarray(token_file.tokens)
+    ref = RandomWindows(token_file.n_tokens, 128, 4, seed=9)
+    with Loader(token_file, RandomWindows(token_file.n_tokens, 128, 4, seed=9)) as loader:
+        for step in range(10):
+            x, y = next(loader)
+            starts, t = ref.batch(step)
+            assert x.shape == y.shape == (4, 128) and x.dtype == y.dtype == torch.int64
+            expect = np.stack([ids[s : s + t + 1] for s in starts])
+            assert np.array_equal(x.numpy(), expect[:, :-1]) and np.array_equal(y.numpy(), expect[:, 1:])
+
+
+def test_state_dict_counts_delivered_not_prefetched_batches(token_file):
+    def make():
+        return Loader(token_file, EpochWindows(token_file.n_tokens, 64, 8, seed=1), max_prefetch=3)
+
+    with make() as reference:
+        expected = [next(reference) for _ in range(12)]
+    loader = make()
+    for _ in range(5):
+        next(loader)
+    time.sleep(0.1)  # let the producer run max_prefetch batches ahead
+    state = loader.state_dict()
+    assert state["sampler"]["step"] == 5
+    loader.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = [next(resumed) for _ in range(7)]
+    resumed.close()
+    for (x1, y1), (x2, y2) in zip(expected[5:], got, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_producer_exception_reaches_the_consumer(token_file):
+    class Exploding(RandomWindows):
+        def batch(self, step):
+            if step == 3:
+                raise RuntimeError("sampler broke at step 3")
+            return super().batch(step)
+
+    loader = Loader(token_file, Exploding(token_file.n_tokens, 16, 2, seed=0))
+    for _ in range(3):
+        next(loader)
+    with pytest.raises(RuntimeError, match="sampler broke at step 3"):
+        next(loader)
+    loader.close()
+    assert not _prefetch_threads()
+
+
+def test_close_stops_a_producer_blocked_on_a_full_queue(token_file):
+    before = len(_prefetch_threads())
+    loader = Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=2)
+    next(loader)
+    deadline = time.monotonic() + 10
+    while loader._bg.queue.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader._bg.queue.full()  # the producer is now blocked in put()
+    thread = loader._bg
+    loader.close()
+    assert not thread.is_alive() and len(_prefetch_threads()) == before
+
+
+def test_background_generator_close_with_endless_producer():
+    def endless():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    bg = ClosableBackgroundGenerator(endless(), 3)
+    assert [next(bg) for _ in range(5)] == [0, 1, 2, 3, 4]
+    bg.close()
+    assert not bg.is_alive()
+    with pytest.raises(StopIteration):
+        next(bg)
+
+
+def test_loader_with_block_exits_cleanly(token_file):
+    with Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0)) as loader:
+        next(loader)
+        thread = loader._bg
+    assert not thread.is_alive()
+
+
+def test_invalid_max_prefetch(token_file):
+    with pytest.raises(ValueError, match="max_prefetch must be >= 1"):
+        Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=0)
+
+
+@pytest.mark.gpu
+def test_cuda_batches_are_on_the_device(token_file):
+    with Loader(token_file, RandomWindows(token_file.n_tokens, 64, 4, seed=0), device="cuda") as loader:
+        x, y = next(loader)
+        torch.cuda.synchronize()
+    assert x.is_cuda and y.is_cuda and torch.equal(x[:, 1:].cpu(), y[:, :-1].cpu())

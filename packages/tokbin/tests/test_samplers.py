@@ -1,0 +1,123 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from tokbin import DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
+
+
+def _take(sampler, n):
+    return [(s.copy(), t) for s, t in itertools.islice(iter(sampler), n)]
+
+
+def _same(a, b):
+    if len(a) != len(b):
+        return False
+    return all(t1 == t2 and np.array_equal(s1, s2) for (s1, t1), (s2, t2) in zip(a, b, strict=True))
+
+
+FACTORIES = {
+    "random": lambda **kw: RandomWindows(10_000, 32, 8, **kw),
+    "epoch": lambda **kw: EpochWindows(10_000, 32, 8, **kw),
+    "dynamic": lambda **kw: DynamicLength(10_000, 256, SeqLenWarmup(16, 128, 20), **kw),
+}
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_deterministic_and_seed_dependent(kind):
+    make = FACTORIES[kind]
+    a, b, c = _take(make(seed=1), 150), _take(make(seed=1), 150), _take(make(seed=2), 150)
+    assert _same(a, b) and not _same(a, c)
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_exact_resume_from_state(kind):
+    make = FACTORIES[kind]
+    full = _take(make(seed=3), 200)
+    first = make(seed=3)
+    _take(first, 77)
+    state = first.state_dict()
+    resumed = make(seed=3)
+    resumed.load_state_dict(state)
+    assert _same(_take(resumed, 123), full[77:])
+
+
+def test_resume_rejects_other_configuration():
+    state = RandomWindows(10_000, 32, 8, seed=0).state_dict()
+    with pytest.raises(ValueError, match="seq_len is 32, this sampler has 64"):
+        RandomWindows(10_000, 64, 8, seed=0).load_state_dict(state)
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_ranks_are_disjoint_slices_of_the_global_stream(kind):
+    make = FACTORIES[kind]
+    world = 4
+    single = _take(make(seed=5), 60)  # world_size 1 with the same per-rank batch
+    ranks = [_take(make(seed=5, rank=r, world_size=world), 60) for r in range(world)]
+    if kind == "epoch":
+        # every rank's windows in one epoch, together: disjoint and covering all windows
+        s = make(seed=5, world_size=world)
+        per_rank = [np.concatenate([b[0] for b in r[: s.batches_per_epoch]]) for r in ranks]
+        allw = np.concatenate(per_rank)
+        assert len(np.unique(allw)) == len(allw) == s.n_windows  # 312 windows, divisible by 4
+    else:
+        for step in range(60):
+            rows = [r[step][0] for r in ranks]
+            assert len({r[step][1] for r in ranks}) == 1  # same length on every rank
+            merged = np.empty(sum(len(x) for x in rows), dtype=np.int64)
+            for i, x in enumerate(rows):
+                merged[i::world] = x
+            assert len(merged) == world * len(single[step][0])
+            # different ranks got different sample slots; with 10k positions collisions are rare, not impossible
+            assert len(np.unique(merged)) >= len(merged) - 2
+
+
+def test_epoch_covers_every_token_once():
+    n_tokens, seq_len = 10_001, 50  # 200 windows of 50 inputs: tokens 0..9999 are inputs exactly once
+    s = EpochWindows(n_tokens, seq_len, 7, seed=0)
+    counts = np.zeros(n_tokens, dtype=int)
+    for starts, t in _take(s, s.batches_per_epoch):
+        for st in starts:
+            counts[st : st + t] += 1
+    assert (counts[:10_000] == 1).all() and counts[10_000] == 0
+    assert s.epoch_of(s.batches_per_epoch) == 1
+    e0 = np.concatenate([b for b, _ in _take(EpochWindows(n_tokens, seq_len, 7, seed=0), s.batches_per_epoch)])
+    e1 = np.concatenate([b for b, _ in _take(s, s.batches_per_epoch)])  # continues into epoch 1
+    assert sorted(e0) == sorted(e1) and not np.array_equal(e0, e1)  # same windows, new order
+
+
+def test_random_windows_stay_in_bounds_and_reach_the_end():
+    s = RandomWindows(100, 10, 64, seed=0)
+    starts = np.concatenate([b for b, _ in _take(s, 100)])
+    assert starts.min() == 0 and starts.max() == 100 - 11  # the last window ends exactly at the file's end
+
+
+def test_warmup_schedule_keeps_tokens_per_batch_constant():
+    sched = SeqLenWarmup(64, 1024, 100)
+    assert [sched(s) for s in (0, 25, 50, 75, 100, 10_000)] == [64, 128, 256, 512, 1024, 1024]
+    s = DynamicLength(1_000_000, 16384, sched, seed=0)
+    for starts, t in _take(s, 120):
+        assert len(starts) * t == 16384
+    with pytest.raises(ValueError, match="power of two"):
+        SeqLenWarmup(96, 1024, 10)
+
+
+def test_schedule_that_does_not_divide_is_an_error():
+    s = DynamicLength(10_000, 1000, lambda step: 300, seed=0)
+    with pytest.raises(ValueError, match="step 0: seq_len 300 does not divide tokens_per_batch 1000"):
+        s.batch(0)
+
+
+def test_document_lengths_pick_the_bucket_of_the_drawn_document():
+    lengths = np.array([100] * 50 + [900] * 50)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    s = DynamicLength(int(offsets[-1]), 4096, DocumentLengths(offsets, (256, 1024)), seed=0)
+    seen = set()
+    for starts, t in _take(s, 100):
+        assert len(starts) * t == 4096
+        last = offsets[-1] - t - 1  # a window that would run past the end is moved back to fit
+        assert (np.isin(starts, offsets[:-1]) | (starts == last)).all()  # windows start at documents
+        anchor_len = lengths[np.searchsorted(offsets, starts[0])]
+        assert t == (256 if anchor_len <= 256 else 1024)
+        seen.add(t)
+    assert seen == {256, 1024}
