@@ -43,7 +43,7 @@ def summarize_recording(path: str | os.PathLike[str]) -> Summary:
                 text, failure = message.get(column, ("read failed", "error"))
                 builder.add_error(column, text, failure)
             elif cell == STALE:
-                stats[i].add(t, last[i], False)
+                stats[i].add_stale(t, last[i])
             else:
                 last[i] = parse_cell(cell)
                 stats[i].add(t, last[i], True)

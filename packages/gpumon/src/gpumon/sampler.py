@@ -80,6 +80,8 @@ class Sampler:
         for n, i in enumerate(slow):
             self._next_due[i] = (n * self.period) % self.pollers[i].period_s
         self._builder = SummaryBuilder(self.rate_hz, self.units, counters, reservoir_size)
+        # per poller: (column, cell index, statistics) of each value it returns, looked up once here
+        self._plan = [[(c, self.index[c], self._builder.metrics[c]) for c in p.columns] for p in self.pollers]
         self._lock = threading.Lock()
         self._marks: deque[tuple[float, str, Any]] = deque()
         self._reported: set[tuple[str, str]] = set()
@@ -181,7 +183,7 @@ class Sampler:
 
     def _tick(self, t: float) -> None:
         self._now_t = t
-        builder, metrics = self._builder, self._builder.metrics
+        builder, last, dropped = self._builder, self._last, self._dropped
         cells = [MISSING] * len(self.columns)
         events: list[tuple[float, str, str, str]] = []
         for i in list(self._active):
@@ -197,18 +199,19 @@ class Sampler:
                 values = p.read()
             except Exception as exc:
                 values = [exc] * len(p.columns)
-            for column, value in zip(p.columns, values, strict=True):
-                if column in self._dropped:
+            for (column, j, stats), value in zip(self._plan[i], values, strict=True):
+                if column in dropped:
                     continue
-                j = self.index[column]
                 if isinstance(value, BaseException):
                     cells[j] = FAILED
                     self._failed(p, i, column, value, events)
-                    continue
-                fresh = value != self._last[j]
-                cells[j] = _cell(value) if fresh else STALE
-                self._last[j] = value
-                metrics[column].add(t, value, fresh)
+                elif value == last[j]:
+                    cells[j] = STALE
+                    stats.add_stale(t, value)
+                else:
+                    cells[j] = _cell(value)
+                    last[j] = value
+                    stats.add(t, value, True)
         self._take_marks(events)
         builder.add_tick(t)
         if self._writer is not None:

@@ -75,6 +75,7 @@ class MetricStats:
         "increase",
         "reservoir",
         "last",
+        "tail_t",
     )
 
     def __init__(self, unit: str, counter: bool = False, capacity: int = RESERVOIR_SIZE) -> None:
@@ -83,6 +84,7 @@ class MetricStats:
         self.peak = self.low = self.prev_v = self.last = None
         self.peak_t = self.first_t = self.prev_t = None
         self.weighted = self.span = self.increase = 0.0
+        self.tail_t = -math.inf
         self.reservoir = Reservoir(capacity)
 
     def add(self, t: float, v: Any, fresh: bool) -> None:
@@ -107,13 +109,27 @@ class MetricStats:
         self.prev_t, self.prev_v = t, v
         self.reservoir.add(float(v))
 
+    def add_stale(self, t: float, v: Any) -> None:
+        """The same value read again: cheaper than add(); the held value's integral is settled at the next add()."""
+        self.reads += 1
+        self.tail_t = t
+        if self.prev_t is not None:
+            self.reservoir.add(float(v))
+
+    def integral(self) -> tuple[float, float]:
+        """(integral of the held value over time, time covered), up to the last reading, stale ones included."""
+        if self.prev_t is None or self.tail_t <= self.prev_t:
+            return self.weighted, self.span
+        return self.weighted + self.prev_v * (self.tail_t - self.prev_t), self.span + self.tail_t - self.prev_t
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"unit": self.unit, "reads": self.reads, "errors": self.errors, "last": self.last}
         out["fresh_fraction"] = self.fresh / self.reads if self.reads else None
         if self.peak is None:
             return out
         p50, p95, p99 = self.reservoir.percentiles((50, 95, 99))
-        mean = self.weighted / self.span if self.span > 0 else float(self.prev_v)
+        weighted, span = self.integral()
+        mean = weighted / span if span > 0 else float(self.prev_v)
         out.update(peak=self.peak, peak_t=self.peak_t, min=self.low, mean=mean, p50=p50, p95=p95, p99=p99)
         if self.counter:
             out["increase"] = self.increase
@@ -197,8 +213,9 @@ class SummaryBuilder:
             group = c.split(".", 1)[0]
             if m.counter and m.unit == "mJ" and m.reads >= 2:
                 energy[group] = m.increase / 1000.0
-            if c.endswith(".power_instant_mw") and m.span > 0:
-                from_power[group] = m.weighted / 1000.0
+            weighted, span = m.integral()
+            if c.endswith(".power_instant_mw") and span > 0:
+                from_power[group] = weighted / 1000.0
         (p99,) = self.interval_errors.percentiles((99,)) if self.ticks > 1 else (None,)
         return Summary(
             rate_hz=self.rate_hz,

@@ -1,0 +1,96 @@
+"""Sampler cost and timing at 100 Hz: host backend, fake NVML (two simulated GPUs) + host, and a do-nothing thread.
+
+The baseline thread wakes on the same absolute-deadline grid and does no work: it measures what merely waking
+100 times a second costs on this machine, so the sampler's own share reads as a ratio against it.
+
+    python benchmarks/bench_sampler.py [--seconds 10] [--rate 100]
+
+Prints a table; the last line is `sampler_cpu_percent_at_100hz: <x>` for the fake-NVML + host configuration
+(what `Monitor(backend="auto")` samples on a GPU host), in percent of one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from gpumon.fake_nvml import FakeNVML
+from gpumon.statistics import percentile
+
+
+def baseline(seconds: float, rate: float) -> dict[str, float]:
+    period, stamps, cpu = 1.0 / rate, [], [0.0]
+
+    def run() -> None:
+        start_cpu, t0, k = time.thread_time(), time.monotonic(), 0
+        while True:
+            delay = t0 + k * period - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            now = time.monotonic() - t0
+            if now >= seconds:
+                break
+            stamps.append(now)
+            k = max(k + 1, math.floor((time.monotonic() - t0) / period))
+        cpu[0] = time.thread_time() - start_cpu
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    errors = sorted(abs(b - a - period) for a, b in zip(stamps, stamps[1:], strict=False))
+    span = stamps[-1] - stamps[0]
+    return {
+        "rate": (len(stamps) - 1) / span,
+        "p99_ms": percentile(errors, 99) * 1e3,
+        "us_per_sample": float("nan"),
+        "cpu_pct": 100 * cpu[0] / seconds,
+    }
+
+
+def monitored(seconds: float, rate: float, backend: str, out: Path) -> dict[str, float]:
+    import gpumon
+
+    with gpumon.Monitor(rate_hz=rate, out=out, backend=backend):
+        time.sleep(seconds)
+    s = gpumon.summarize_recording(out)
+    return {
+        "rate": s.achieved_rate_hz,
+        "p99_ms": s.interval_error_p99_ms,
+        "us_per_sample": s.sampler_us_per_sample,
+        "cpu_pct": s.sampler_cpu_percent,
+        "columns": len(s.metrics),
+        "bytes_per_s": out.stat().st_size / max(s.duration_s, 1e-9),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--rate", type=float, default=100.0)
+    args = parser.parse_args()
+    rows = {"do-nothing thread (baseline)": baseline(args.seconds, args.rate)}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows["host backend"] = monitored(args.seconds, args.rate, "host", Path(tmp) / "host.csv")
+        sys.modules["pynvml"] = FakeNVML()  # two simulated GPUs, every metric supported
+        rows["fake NVML (2 GPUs) + host"] = monitored(args.seconds, args.rate, "auto", Path(tmp) / "auto.csv")
+    base_cpu = rows["do-nothing thread (baseline)"]["cpu_pct"]
+    print(f"{args.seconds:g} s per configuration at {args.rate:g} Hz target")
+    print(
+        f"{'configuration':30} {'rate Hz':>8} {'p99 err ms':>10} {'us/sample':>10} {'CPU % core':>10} "
+        f"{'x baseline':>10} {'metrics':>7} {'file KB/s':>9}"
+    )
+    for name, r in rows.items():
+        print(
+            f"{name:30} {r['rate']:8.2f} {r['p99_ms']:10.3f} {r['us_per_sample']:10.1f} {r['cpu_pct']:10.2f} "
+            f"{r['cpu_pct'] / base_cpu:10.2f} {r.get('columns', 0):7d} {r.get('bytes_per_s', 0) / 1e3:9.1f}"
+        )
+    print(f"sampler_cpu_percent_at_100hz: {rows['fake NVML (2 GPUs) + host']['cpu_pct']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
