@@ -1,0 +1,188 @@
+"""The Triton backend: launches the forward and backward kernels inside one autograd Function.
+
+On CUDA every kernel is autotuned per head-dim class (the key is the power-of-two bucket of the sequence length,
+causality and the dtypes). Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small tile is used, so the
+interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from alibi_kernels.triton_backward import alibi_bwd_dkdv_kernel, alibi_bwd_dq_kernel, backward_configs
+from alibi_kernels.triton_forward import LOG2E, alibi_fwd_kernel, forward_configs
+from alibi_kernels.validation import check_attention_inputs
+
+__all__ = ["alibi_attention_triton", "INTERPRETED"]
+
+# triton.jit decides at import time whether kernels are interpreted; record that decision.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRETER_BLOCK = 32
+_TUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
+_tuned: dict[tuple[str, int], object] = {}
+
+
+def _autotune_enabled() -> bool:
+    # ALIBI_KERNELS_AUTOTUNE=0 launches each head dim's first config without benchmarking: a test grid over many
+    # shapes then compiles one config per shape instead of every candidate.
+    return os.environ.get("ALIBI_KERNELS_AUTOTUNE", "1") != "0"
+
+
+def _configs(name: str, block_d: int) -> list[triton.Config]:
+    return forward_configs(block_d) if name == "fwd" else backward_configs(block_d)
+
+
+def _kernel(name: str, block_d: int):
+    """The kernel to launch: plain under the interpreter or without autotuning, else an autotuner."""
+    raw = {"fwd": alibi_fwd_kernel, "dkdv": alibi_bwd_dkdv_kernel, "dq": alibi_bwd_dq_kernel}[name]
+    if INTERPRETED or not _autotune_enabled():
+        return raw
+    cls = 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
+    if (name, cls) not in _tuned:
+        _tuned[(name, cls)] = triton.autotune(configs=_configs(name, cls), key=_TUNE_KEY)(raw)
+    return _tuned[(name, cls)]
+
+
+def _launch_options(name: str, block_d: int) -> dict:
+    """Tile sizes passed explicitly when the kernel is not autotuned."""
+    if INTERPRETED:
+        return {"BLOCK_M": _INTERPRETER_BLOCK, "BLOCK_N": _INTERPRETER_BLOCK}
+    if _autotune_enabled():
+        return {}
+    first = _configs(name, block_d)[0]
+    return {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    return {
+        # The interpreter's bf16 tl.dot is wrong (triton issue 11584): compute those dots in fp32 there.
+        "UPCAST": INTERPRETED and dtype == torch.bfloat16,
+        "DOT_PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+    }
+
+
+def _t_bucket(tq: int, tk: int) -> int:
+    # Coarse autotuning buckets (short, medium, long): one tuning per bucket, not per power of two.
+    t = max(tq, tk)
+    return 512 if t <= 512 else (2048 if t <= 2048 else 8192)
+
+
+def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return tuple(t.stride())  # type: ignore[return-value]
+
+
+class _AlibiAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, slopes_2d, causal: bool, scale: float):
+        b, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        slopes32 = slopes_2d.detach().to(torch.float32).contiguous()  # (1 or B, Hq)
+        stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D)
+        lse = torch.empty((b * hq, tq), device=q.device, dtype=torch.float32)
+        block_d = triton.next_power_of_2(d)
+        common = {
+            "HEAD_DIM": d,
+            "BLOCK_D": block_d,
+            "IS_CAUSAL": causal,
+            **_dot_options(q.dtype),
+        }
+        t_bucket = _t_bucket(tq, tk)
+
+        def grid(meta):
+            return (triton.cdiv(tq, meta["BLOCK_M"]), b * hq)
+
+        _kernel("fwd", block_d)[grid](
+            q, k, v, slopes32, out, lse,
+            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), stride_sb, slopes32.stride(1),
+            hq, hq // hkv, tq, tk, scale * LOG2E, t_bucket,
+            **common, **_launch_options("fwd", block_d),
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, slopes32)
+        ctx.causal, ctx.scale, ctx.slopes_shape = causal, scale, slopes_2d.shape
+        ctx.slopes_dtype = slopes_2d.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse, slopes32 = ctx.saved_tensors
+        b, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        block_d = triton.next_power_of_2(d)
+        stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
+        delta = (out.float() * do.float()).sum(-1).reshape(b * hq, tq)  # (B*Hq, Tq)
+        dq = torch.empty((b, hq, tq, d), device=q.device, dtype=q.dtype)
+        dk = torch.empty((b, hkv, tk, d), device=q.device, dtype=k.dtype)
+        dv = torch.empty((b, hkv, tk, d), device=q.device, dtype=v.dtype)
+        slope_grad = ctx.needs_input_grad[3]
+        t_bucket = _t_bucket(tq, tk)
+        common = {
+            "HEAD_DIM": d,
+            "BLOCK_D": block_d,
+            "IS_CAUSAL": ctx.causal,
+            **_dot_options(q.dtype),
+        }
+        strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), stride_sb, slopes32.stride(1))
+        scales = (ctx.scale, ctx.scale * LOG2E, t_bucket)
+
+        def grid_kv(meta):
+            return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
+
+        _kernel("dkdv", block_d)[grid_kv](
+            q, k, v, slopes32, do, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, tq, tk, *scales, **common,
+            **_launch_options("dkdv", block_d),
+        )  # fmt: skip
+
+        # Partial slope gradients, one per (batch*head, query block); sized for the smallest candidate BLOCK_M.
+        min_block_m = _INTERPRETER_BLOCK if INTERPRETED else 32
+        dslope_parts = torch.zeros((b * hq, triton.cdiv(tq, min_block_m)), device=q.device, dtype=torch.float32)
+
+        def grid_q(meta):
+            return (triton.cdiv(tq, meta["BLOCK_M"]), b * hq)
+
+        _kernel("dq", block_d)[grid_q](
+            q, k, v, slopes32, do, lse, delta, dq, dslope_parts, dslope_parts.stride(0),
+            *strides, hq, hq // hkv, tq, tk, *scales,
+            SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d),
+        )  # fmt: skip
+
+        dslopes = None
+        if slope_grad:
+            dslopes = dslope_parts.sum(-1).reshape(b, hq)
+            if ctx.slopes_shape[0] == 1:
+                dslopes = dslopes.sum(0, keepdim=True)
+            dslopes = dslopes.to(ctx.slopes_dtype)
+        return dq, dk, dv, dslopes, None, None
+
+
+def alibi_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """ALiBi attention with the fused Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1).
+
+    Same contract as `alibi_attention(..., backend="triton")`; gradients reach q, k, v and slopes that require
+    grad (summed over the batch when one (Hq,) slope row is shared).
+
+    Example:
+        >>> q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
+        >>> alibi_attention_triton(q, q, q).shape  # doctest: +SKIP
+        torch.Size([1, 4, 64, 64])
+    """
+    shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    if q.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            "the Triton kernels were imported in compiled mode; CPU tensors need TRITON_INTERPRET=1 set before "
+            "alibi_kernels.attention_triton is first imported"
+        )
+    if q.dtype == torch.float64:
+        raise ValueError("backend='triton' supports float16, bfloat16 and float32 inputs, got torch.float64")
+    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale)

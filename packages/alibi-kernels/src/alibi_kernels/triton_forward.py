@@ -1,0 +1,166 @@
+"""Triton forward kernel: causal ALiBi attention with online softmax, the bias computed from the slopes in-kernel.
+
+One program handles BLOCK_M query rows of one (batch, query head). Scores are kept in log2 units
+(scale and slope pre-multiplied by log2(e)) so the softmax uses exp2. Fully visible key blocks run without any
+mask; only the blocks that cross the causal diagonal or the end of the keys are masked; blocks above the diagonal
+are never visited. Head dims that are not powers of two are padded to BLOCK_D with masked loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _fwd_inner(
+    acc,  # (BLOCK_M, BLOCK_D) fp32 running numerator
+    l_i,  # (BLOCK_M,) fp32 running denominator
+    m_i,  # (BLOCK_M,) fp32 running max, log2 units
+    q,  # (BLOCK_M, BLOCK_D) query tile
+    k_base,  # pointer to K[b, hkv, 0, 0]
+    v_base,  # pointer to V[b, hkv, 0, 0]
+    stride_kn,  # K stride along keys
+    stride_kd,  # K stride along the head dim
+    stride_vn,  # V stride along keys
+    stride_vd,  # V stride along the head dim
+    pos_i,  # (BLOCK_M,) int32 query positions (i + Tk - Tq)
+    offs_d,  # (BLOCK_D,) head-dim offsets
+    start,  # first key of the range (a multiple of BLOCK_N)
+    stop,  # one past the last key of the range
+    slope2,  # fp32 slope * log2(e)
+    qk_scale,  # fp32 softmax scale * log2(e)
+    Tk,  # number of keys
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,  # apply the key-bound and causal masks (diagonal and tail blocks only)
+    IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dots in fp32 (bf16 under the interpreter)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs: TF32 would cost ~1e-3 relative error
+):
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = offs_d[None, :] < HEAD_DIM
+        if MASKED:
+            kv_mask = kv_mask & (offs_n[:, None] < Tk)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        distance = (offs_n[None, :] - pos_i[:, None]).to(tl.float32)  # pos_j - pos_i, <= 0 when visible
+        s = qk * qk_scale + slope2 * distance
+        if MASKED:
+            visible = offs_n[None, :] < Tk
+            if IS_CAUSAL:
+                visible = visible & (offs_n[None, :] <= pos_i[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def alibi_fwd_kernel(
+    Q,  # (B, Hq, Tq, D) queries, any strides
+    K,  # (B, Hkv, Tk, D) keys, any strides
+    V,  # (B, Hkv, Tk, D) values, any strides
+    Slopes,  # (B or 1, Hq) fp32 slopes; stride_sb = 0 broadcasts one row over the batch
+    Out,  # (B, Hq, Tq, D) output, any strides
+    Lse,  # (B * Hq, Tq) fp32 log-sum-exp in log2 units, saved for the backward
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_sb,
+    stride_sh,
+    H,  # query heads
+    GROUP,  # query heads per k/v head (GQA): hkv = h // GROUP
+    Tq,  # number of queries
+    Tk,  # number of keys
+    qk_scale,  # softmax scale * log2(e)
+    T_BUCKET,  # next power of two of max(Tq, Tk): only an autotuning key
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # int64 base offsets: B * H * T * D may exceed 2^31
+    h = (bh % H).to(tl.int64)
+    hkv = h // GROUP
+    offset = Tk - Tq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos_i = offs_m + offset
+
+    slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
+    q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < HEAD_DIM)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + hkv * stride_kh
+    v_base = V + b * stride_vb + hkv * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        # Keys before the block's first query position are visible to every row: no mask there.
+        n_full = ((start_m + offset + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(Tk, start_m + BLOCK_M + offset)
+    else:
+        n_full = (Tk // BLOCK_N) * BLOCK_N
+        hi = Tk
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, pos_i, offs_d,
+        0, n_full, slope2, qk_scale, Tk,
+        BLOCK_N, HEAD_DIM, False, IS_CAUSAL, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, pos_i, offs_d,
+        n_full, hi, slope2, qk_scale, Tk,
+        BLOCK_N, HEAD_DIM, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    row_ok = offs_m < Tq
+    tl.store(Lse + bh.to(tl.int64) * Tq + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=q_mask)
+
+
+def forward_configs(block_d: int) -> list[triton.Config]:
+    """Autotuning candidates per head dim (GPU only): smaller tiles for large D to fit shared memory."""
+    if block_d <= 64:
+        shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)]
+    elif block_d <= 128:
+        shapes = [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
+    else:
+        shapes = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 2)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
