@@ -5,8 +5,10 @@ The baseline thread wakes on the same absolute-deadline grid and does no work: i
 
     python benchmarks/bench_sampler.py [--seconds 10] [--rate 100]
 
-Prints a table; the last line is `sampler_cpu_percent_at_100hz: <x>` for the fake-NVML + host configuration
-(what `Monitor(backend="auto")` samples on a GPU host), in percent of one core.
+A last row runs the fake NVML + host tick work back to back (no sleeping, caches warm): its CPU per tick,
+times the rate, is what the sampler would cost if waking up were free. Prints a table; the last line is
+`sampler_cpu_percent_at_100hz: <x>` for the fake-NVML + host configuration in its thread (what
+`Monitor(backend="auto")` samples on a GPU host), in percent of one core.
 """
 
 from __future__ import annotations
@@ -68,6 +70,26 @@ def monitored(seconds: float, rate: float, backend: str, out: Path) -> dict[str,
     }
 
 
+def back_to_back(ticks: int, rate: float) -> dict[str, float]:
+    """The same tick work (fake NVML + host, CSV written) run back to back: CPU per tick with warm caches."""
+    from gpumon.host_backend import HostBackend
+    from gpumon.nvml_backend import NVMLBackend
+    from gpumon.sampler import Sampler
+
+    nvml, host = NVMLBackend(), HostBackend()
+    with tempfile.TemporaryDirectory() as tmp:
+        sampler = Sampler(nvml.pollers + host.pollers, rate, out=Path(tmp) / "hot.csv")
+        start = time.thread_time()
+        for k in range(ticks):
+            sampler.sample_once(k / rate)
+        cpu = time.thread_time() - start
+        sampler.stop()
+    nvml.close()
+    host.close()
+    us = cpu / ticks * 1e6
+    return {"rate": float("nan"), "p99_ms": float("nan"), "us_per_sample": us, "cpu_pct": us * rate / 1e4}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -78,6 +100,7 @@ def main() -> None:
         rows["host backend"] = monitored(args.seconds, args.rate, "host", Path(tmp) / "host.csv")
         sys.modules["pynvml"] = FakeNVML()  # two simulated GPUs, every metric supported
         rows["fake NVML (2 GPUs) + host"] = monitored(args.seconds, args.rate, "auto", Path(tmp) / "auto.csv")
+    rows["same tick work, back to back"] = back_to_back(int(args.seconds * args.rate), args.rate)
     base_cpu = rows["do-nothing thread (baseline)"]["cpu_pct"]
     print(f"{args.seconds:g} s per configuration at {args.rate:g} Hz target")
     print(
