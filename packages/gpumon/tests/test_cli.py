@@ -84,3 +84,21 @@ def test_summary_of_a_bad_file_exits_2(tmp_path):
     bad.write_text("a,b\n1,2\n")
     result = gpumon("summary", str(bad))
     assert result.returncode == 2 and "not a gpumon recording" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_record_without_command_stops_on_sigterm_and_finishes_the_file(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "r.csv"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumon", "record", "--host", "-o", str(out)], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    # rows reach the disk with the first flush, a second after the start (and the handler install)
+    while (not out.exists() or out.read_text().count("\n") < 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in stderr
+    assert out.read_text().rstrip().splitlines()[-1].startswith("# end ")

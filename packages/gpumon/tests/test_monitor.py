@@ -115,3 +115,13 @@ def test_host_backend_reports_the_root_process_gone():
     with pytest.raises(Exception) as info:
         backend.read_memory()
     assert backend.classify(info.value) == "lost"
+
+
+@pytest.mark.gpu
+def test_real_nvml_monitor_records_every_visible_gpu(tmp_path):
+    with gpumon.Monitor(rate_hz=100, out=tmp_path / "g.csv", backend="nvml") as mon:
+        time.sleep(0.5)
+    summary = mon.summary()
+    assert summary.samples > 10 and not summary.lost
+    for gpu in gpumon.devices():
+        assert summary.metrics[f"gpu{gpu['index']}.memory_used_bytes"]["reads"] > 10

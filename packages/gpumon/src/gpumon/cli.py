@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -138,6 +139,14 @@ def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
             mon = None
     for w in caught:
         _err(f"warning: {str(w.message).removeprefix('gpumon: ')}")
+
+    def on_terminate(signum: int, frame: Any) -> None:
+        # a scheduler's SIGTERM: pass it on, then finish the file and the summary as for Ctrl-C
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_terminate)
     code = 0
     try:
         if child is not None:
@@ -150,6 +159,7 @@ def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
         # the child, in our process group, got the same Ctrl-C: let it finish and keep its exit code
         code = _exit_code(child.wait()) if child is not None else 0
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if mon is not None:
             mon.stop()
     if mon is not None:

@@ -101,10 +101,11 @@ class NVMLBackend:
     def _device_pollers(self, dev: VisibleDevice) -> list[Poller]:
         nvml, h, g = self.nvml, dev.handle, f"gpu{dev.index}"
         period = self.periods
+        # field ids are fixed by nvml.h; older bindings may lack the names (the driver then reports NotSupported)
         fields = {
-            f"{g}.power_instant_mw": nvml.NVML_FI_DEV_POWER_INSTANT,
-            f"{g}.power_average_mw": nvml.NVML_FI_DEV_POWER_AVERAGE,
-            f"{g}.energy_mj": nvml.NVML_FI_DEV_ENERGY,
+            f"{g}.power_instant_mw": getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186),
+            f"{g}.power_average_mw": getattr(nvml, "NVML_FI_DEV_POWER_AVERAGE", 185),
+            f"{g}.energy_mj": getattr(nvml, "NVML_FI_DEV_ENERGY", 191),
         }
         wanted = dict(fields)
 
