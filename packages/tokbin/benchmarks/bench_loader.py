@@ -1,0 +1,133 @@
+"""Loader throughput: tokbin vs the nanoGPT batch recipe vs a raw numpy copy of the same bytes.
+
+Writes a token file of random ids (>= 100M tokens; fewer with --quick) into a temporary directory with
+write_tokens, then times B x T random-window batches three ways, in this one run:
+
+  nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
+  tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
+  tokbin Loader    the same through Loader (BackgroundGenerator thread, max_prefetch=3), as a training loop sees it
+  raw copy bound   np.copyto of the bytes one batch delivers (inputs + targets, 2*B*T int64 = 256 KiB), from a
+                   64 MiB RAM array (so the source is not cache-resident) into a preallocated buffer
+  raw file copy    np.copyto of the bytes one batch reads from the file (B*(T+1) uint16 = 32 KiB, one contiguous
+                   slice of the memmap): the floor of any memmap loader, shown for context
+
+Prints a table and ends with `loader_vs_nanogpt_recipe: <ratio>` (Loader vs recipe). Never asserts on time.
+Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokbin import Loader, RandomWindows, write_tokens
+from tokbin.fileformat import HEADER_SIZE
+
+B, T = 16, 1024
+VOCAB = 50257
+
+
+def make_file(path: Path, n_tokens: int) -> None:
+    rng = np.random.default_rng(0)
+    chunk = 10_000_000
+    docs = (rng.integers(0, VOCAB, size=min(chunk, n_tokens - i), dtype=np.uint16) for i in range(0, n_tokens, chunk))
+    write_tokens(path, docs, vocab_size=VOCAB)
+
+
+def nanogpt_get_batch(path: Path, n_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    # nanoGPT train.py get_batch, pointed at the token region of the same file
+    data = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_SIZE, shape=(n_tokens,))
+    ix = torch.randint(len(data) - T, (B,), generator=gen)
+    x = torch.stack([torch.from_numpy(data[i : i + T].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + T].astype(np.int64)) for i in ix])
+    return x, y
+
+
+def best_rate(fn, n_batches: int, repeats: int = 3) -> float:
+    """Tokens per second (B*T per batch), best of ``repeats`` runs of ``n_batches`` after a warm-up."""
+    for _ in range(min(50, n_batches)):
+        fn()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n_batches):
+            fn()
+        best = max(best, n_batches * B * T / (time.perf_counter() - t0))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10M tokens and fewer batches (not the 100M goal setup)")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--batches", type=int, default=None)
+    args = ap.parse_args()
+    n_tokens = args.tokens or (10_000_000 if args.quick else 100_000_000)
+    n_batches = args.batches or (300 if args.quick else 1500)
+
+    with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
+        path = Path(tmp) / "tokens.bin"
+        t0 = time.perf_counter()
+        make_file(path, n_tokens)
+        write_s = time.perf_counter() - t0
+        from tokbin import TokenFile
+
+        tf = TokenFile(path)
+        gen = torch.Generator().manual_seed(0)
+        recipe = best_rate(lambda: nanogpt_get_batch(path, n_tokens, gen), n_batches)
+
+        sampler = RandomWindows(tf.n_tokens, T, B, seed=0)
+        it = iter(sampler)
+        gather = best_rate(lambda: tf.gather(*next(it)), n_batches)
+
+        with Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=1), max_prefetch=3) as loader:
+            loader_rate = best_rate(lambda: next(loader), n_batches)
+
+        src = np.random.default_rng(0).integers(0, VOCAB, size=256 * 2 * B * T, dtype=np.int64)  # 64 MiB in RAM
+        dst = np.empty(2 * B * T, dtype=np.int64)
+        pos = [0]
+
+        def raw_copy() -> None:
+            lo = pos[0]
+            np.copyto(dst, src[lo : lo + dst.size])
+            pos[0] = (lo + dst.size) % src.size
+
+        bound = best_rate(raw_copy, n_batches)
+
+        ids = np.asarray(tf.tokens)
+        dst16 = np.empty(B * (T + 1), dtype=ids.dtype)
+        offsets = np.random.default_rng(2).integers(0, n_tokens - dst16.size, size=4096)
+        k = [0]
+
+        def raw_file_copy() -> None:
+            o = offsets[k[0] % offsets.size]
+            np.copyto(dst16, ids[o : o + dst16.size])
+            k[0] += 1
+
+        file_copy = best_rate(raw_file_copy, n_batches)
+
+    rows = [
+        ("nanogpt recipe", recipe),
+        ("tokbin gather (no thread)", gather),
+        ("tokbin Loader (prefetch 3)", loader_rate),
+        ("raw copy bound", bound),
+        ("raw file copy (context)", file_copy),
+    ]
+    print(f"load average at the end (2 cores, shared): {os.getloadavg()[0]:.1f}")
+    print(f"token file: {n_tokens:,} tokens (uint16), written in {write_s:.1f} s; B={B}, T={T}, {n_batches} batches")
+    print(f"{'method':30} {'tokens/s':>14} {'batches/s':>10} {'vs recipe':>10} {'of bound':>9}")
+    for name, rate in rows:
+        print(f"{name:30} {rate:14,.0f} {rate / (B * T):10,.0f} {rate / recipe:9.2f}x {rate / bound:8.1%}")
+    print(f"gather_vs_nanogpt_recipe: {gather / recipe:.2f}")
+    print(f"loader_fraction_of_bound: {loader_rate / bound:.3f}")
+    print(f"loader_vs_nanogpt_recipe: {loader_rate / recipe:.2f}")
+
+
+if __name__ == "__main__":
+    main()
