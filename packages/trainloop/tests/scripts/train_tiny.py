@@ -1,0 +1,55 @@
+"""Train TinyLM with trainloop; launched by the tests directly or under torchrun. Arguments are JSON overrides."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
+
+from trainloop import TrainConfig, Trainer  # noqa: E402
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    run_dir = args.pop("run_dir")
+    resume = args.pop("resume", False)
+    ds_config = args.pop("ds_config", None)
+    global_batch = args.pop("global_batch", 8)
+    hook = args.pop("slow_save_at", None)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
+    base.update(args)
+    base["micro_batch"] = global_batch // world // base.get("grad_accum", 1)
+    cfg = TrainConfig(**base)
+    if hook is not None:
+        import time
+
+        import trainloop.checkpoint as ck
+
+        real = ck.save_model_weights
+
+        def slow(state, path):
+            real(state, path)
+            if f"{hook:08d}" in str(path.parent):
+                print("SAVE_IN_PROGRESS", flush=True)
+                time.sleep(60)
+
+        ck.save_model_weights = slow
+        import trainloop.engine_torch as et
+
+        et.save_model_weights = slow
+    torch.manual_seed(0)
+    data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
+    trainer = Trainer(TinyLM(), cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
+    out = trainer.fit(resume=resume)
+    if rank == 0:
+        print("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

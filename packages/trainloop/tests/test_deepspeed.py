@@ -1,0 +1,119 @@
+"""DeepSpeed on CPU for real: 2 gloo ranks under torchrun, compared with a single-process torch run."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from launch import run, tagged
+from tiny_model import SeqData, TinyLM
+
+from trainloop import TrainConfig, Trainer, build_ds_config, latest_checkpoint, load_model_weights
+
+CLIP = {"embed.*": 0.3, "*o_proj*": 0.05}
+WRITEUP_DS_CONFIG = {
+    "train_batch_size": 128,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    },
+}
+
+
+def _records(run_dir):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def _reference(run_dir, steps):
+    """Single process, plain torch, fp32, the same global batch of 8 rows."""
+    torch.manual_seed(0)
+    cfg = TrainConfig(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=steps, micro_batch=8, log_every=1,
+                      progress=False, tensorboard=False, clip_groups=CLIP)  # fmt: skip
+    Trainer(TinyLM(), cfg, SeqData(8), run_dir=run_dir).fit()
+    return _records(run_dir), load_model_weights(latest_checkpoint(run_dir))
+
+
+def _close(a, b, rtol):
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.slow
+def test_zero2_two_ranks_match_single_process_and_resume(tmp_path):
+    ref, ref_w = _reference(tmp_path / "ref", 10)
+    ds_dir = tmp_path / "ds"
+    args = {"run_dir": str(ds_dir), "engine": "deepspeed", "max_steps": 10, "save_every": 5, "clip_groups": CLIP,
+            "ds_config": {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}}  # fmt: skip
+    run("train_tiny.py", args, nproc=2)
+    got = _records(ds_dir)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    # Stated tolerance: 1e-5 relative (fp32; only the reduction order differs between 1 and 2 ranks).
+    for r, g in zip(ref, got, strict=True):
+        for key in ("loss", "grad_norm", "grad_norm/embed.*", "grad_norm/*o_proj*", "grad_norm/default"):
+            assert _close(r[key], g[key], 1e-5), (r["step"], key, r[key], g[key])
+        assert r["clip_factor/*o_proj*"] < 1.0 and _close(r["clip_factor/*o_proj*"], g["clip_factor/*o_proj*"], 1e-5)
+    ds_w = load_model_weights(latest_checkpoint(ds_dir))  # consolidated fp32, loaded here by one process
+    for k in ref_w:
+        torch.testing.assert_close(ds_w[k], ref_w[k], rtol=1e-5, atol=1e-6)
+    # Exact resume with 2 ranks: drop the final checkpoint, resume from step 5, compare steps 6-10.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ds_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000010")
+    run("train_tiny.py", {**args, "run_dir": str(resumed), "resume": True}, nproc=2)
+    again = _records(resumed)
+    assert [r["step"] for r in again] == list(range(1, 11))
+    for a, b in zip(got[5:], again[5:], strict=True):
+        assert _close(a["loss"], b["loss"], 1e-6), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.slow
+def test_zero_stages_0_1_3_and_bf16_two_ranks(tmp_path):
+    ref, _ = _reference(tmp_path / "ref", 4)
+    cases = [{"stage": s, "precision": "fp32"} for s in (0, 1, 3)] + [{"stage": 2, "precision": "bf16"}]
+    out = tagged(run("ds_stages.py", {"run_dir": str(tmp_path), "steps": 4, "cases": cases}, nproc=2), "RESULTS")
+    ref_loss = [r["loss"] for r in ref]
+    ref_norm = [r["grad_norm"] for r in ref]
+    for name in ("0_fp32", "1_fp32", "3_fp32"):
+        assert all(_close(a, b, 1e-5) for a, b in zip(ref_loss, out[name]["loss"], strict=True)), (name, out[name])
+        assert all(_close(a, b, 1e-5) for a, b in zip(ref_norm, out[name]["norms"], strict=True)), (name, out[name])
+    # bf16 weights and activations: stated tolerance 1e-2 relative over 4 steps.
+    assert all(_close(a, b, 1e-2) for a, b in zip(ref_loss, out["2_bf16"]["loss"], strict=True)), out["2_bf16"]
+
+
+@pytest.mark.slow
+def test_writeup_ds_config_accepted_as_is(tmp_path):
+    # 128 = micro_batch 32 x grad_accum 4 x 1 rank; offload_optimizer to pinned CPU memory, overlap_comm, AdamW.
+    args = {"run_dir": str(tmp_path), "engine": "deepspeed", "max_steps": 2, "grad_accum": 4, "global_batch": 128,
+            "precision": "bf16", "ds_config": WRITEUP_DS_CONFIG}  # fmt: skip
+    proc = run("train_tiny.py", args)
+    summary = tagged(proc, "SUMMARY")
+    assert summary["step"] == 2 and summary["tokens_seen"] == 2 * 128 * 8
+    assert "optimizer block" in proc.stdout and "replaced by torch AdamW" in proc.stdout
+    ckpt = latest_checkpoint(tmp_path)
+    assert (ckpt / "deepspeed" / "state").is_dir()
+    weights = load_model_weights(ckpt)
+    assert TinyLM().load_state_dict(weights) is not None
+
+
+def test_ds_config_is_reconciled_with_clear_errors():
+    ds, notes = build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=16, grad_accum=4), 2, on_cpu=True)
+    assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["gradient_clipping"] == 0.0
+    assert "optimizer" not in ds and ds["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+    with pytest.raises(ValueError, match=r"train_batch_size=128 .* = 64: set micro_batch=16"):
+        build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=8, grad_accum=4), 2, on_cpu=True)
+    with pytest.raises(ValueError, match="TrainConfig.grad_accum=2"):
+        build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=32, grad_accum=2), 2, on_cpu=True)
+    with pytest.raises(ValueError, match="fp16.*does not work with DeepSpeed on CPU"):
+        build_ds_config({}, TrainConfig(precision="fp16"), 1, on_cpu=True)
+    with pytest.raises(ValueError, match="enables bf16 but TrainConfig.precision='fp32'"):
+        build_ds_config({"bf16": {"enabled": True}}, TrainConfig(), 1, on_cpu=True)
+    with pytest.raises(ValueError, match="zero_optimization.stage=4"):
+        build_ds_config({"zero_optimization": {"stage": 4}}, TrainConfig(), 1, on_cpu=True)
+    with pytest.raises(ValueError, match="AdamW only"):
+        build_ds_config({"optimizer": {"type": "Lamb"}}, TrainConfig(), 1, on_cpu=True)
+    ds, notes = build_ds_config({"gradient_clipping": 1.0, "scheduler": {"type": "WarmupLR"}}, TrainConfig(), 1,
+                                on_cpu=True)  # fmt: skip
+    assert ds["gradient_clipping"] == 0.0 and "scheduler" not in ds and len(notes) == 2
