@@ -219,16 +219,20 @@ def check_data(data_dir: str | None) -> list[Check]:
     return checks
 
 
-def check_memory(preset: str | None, gpus: list[dict]) -> tuple[list[Check], int | None]:
+def check_memory(preset: str | None, gpus: list[dict], world_size: int) -> tuple[list[Check], int | None]:
     if not preset:
         return [Check(OK, "memory", "no --preset given: memory estimate skipped")], None
+    from lmtrain.errors import LmtrainError
     from lmtrain.model_setup import estimate_run_memory
 
     try:
-        n_params, per_gpu = estimate_run_memory(preset, n_gpus=max(1, len(gpus)))
-    except ValueError as exc:
+        n_params, per_gpu = estimate_run_memory(preset, n_gpus=world_size)
+    except (ValueError, LmtrainError) as exc:
         return [Check(FAIL, "memory", str(exc), "lmtrain doctor --preset with a known preset")], None
-    need = f"{per_gpu / GiB:.1f} GiB per GPU for {preset} ({n_params / 1e6:.0f}M parameters)"
+    need = (
+        f"{per_gpu / GiB:.1f} GiB per GPU for {preset} ({n_params / 1e6:.0f}M parameters, ZeRO-2 + optimizer "
+        f"offload over {world_size} GPUs, the preset's micro batch)"
+    )
     if not gpus:
         return [Check(WARN, "memory", f"{need}; no GPU to compare", "")], n_params
     have = min(g["memory_total"] for g in gpus)
@@ -283,7 +287,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     checks += _guarded("master", check_master, hosts)
     checks += _guarded("data", check_data, data_dir)
     n_params = None
-    result = _guarded("memory", check_memory, args.preset, gpus)
+    world_size = sum(slots for _, slots in hosts) if hosts else max(1, len(gpus))
+    result = _guarded("memory", check_memory, args.preset, gpus, world_size)
     if isinstance(result, tuple):
         result, n_params = result
     checks += result

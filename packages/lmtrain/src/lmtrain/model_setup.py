@@ -57,18 +57,13 @@ def estimate_run_memory(preset: str, n_gpus: int = 1) -> tuple[int, int]:
 
     config = base_model_config(preset, None)
     recipe = train_recipe(preset)
-    n = lmcore.n_params(config)
-    estimate = getattr(lmcore, "estimate_memory", None)
-    if estimate is None:
-        raise ValueError("this lmcore has no estimate_memory()")
-    result = estimate(
+    estimate = lmcore.estimate_memory(
         config,
-        micro_batch=recipe.get("micro_batch", 1),
-        seq_len=config.context_length,
-        world_size=n_gpus,
+        recipe.get("micro_batch", 1),
+        config.context_length,
+        recipe.get("precision", "bf16"),
         zero_stage=2,
+        world_size=n_gpus,
         offload_optimizer=True,
-        precision=recipe.get("precision", "bf16"),
     )
-    total = result["total"] if isinstance(result, dict) else getattr(result, "total", result)
-    return n, int(total)
+    return estimate.n_params, estimate.total

@@ -1,0 +1,114 @@
+"""`lmtrain demo`: the whole path on this machine's own Python standard library source, no download.
+
+corpus (stdlib .py files outside the test suites) -> prepare -> train cpu-small on CPU for --time-budget seconds
+-> evaluate on held-out source -> print a sample -> loss plot. Everything lands under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+from lmtrain.errors import LmtrainError
+
+# Enough source for a few minutes of cpu-small (several epochs would need hours); a stride over the sorted
+# files keeps the sample spread over the whole library.
+DEMO_CORPUS_BYTES = 4_000_000
+DEMO_VAL_FRACTION = 0.05
+DEMO_EVAL_CHARS = 40_000  # held-out characters scored at the end (a full pass would outlast a short demo)
+_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files outside test suites and installed packages, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not (_SKIP_PARTS & set(p.relative_to(root).parts))]
+    if not files:
+        raise LmtrainError(f"no Python source under {root}: this Python ships without its standard library source")
+    return sorted(files)
+
+
+def build_corpus(out_file: Path, max_bytes: int = DEMO_CORPUS_BYTES) -> dict[str, int]:
+    """Write about `max_bytes` of stdlib source into `out_file`, each file under a `# file:` line.
+
+    Example:
+        >>> build_corpus(Path("corpus.txt"), 100_000)["files"] > 0  # doctest: +SKIP
+        True
+    """
+    files = stdlib_sources()
+    sizes = [p.stat().st_size for p in files]
+    stride = max(1, math.ceil(sum(sizes) / max_bytes))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    written = used = 0
+    with open(out_file, "w", encoding="utf-8") as out:
+        for path in files[::stride]:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # a few files are in other encodings or unreadable: skip them
+            chunk = f"# file: {path.relative_to(root)}\n{text}\n"
+            out.write(chunk)
+            written += len(chunk.encode("utf-8"))
+            used += 1
+            if written >= max_bytes:
+                break
+    return {"files": used, "bytes": written, "available_files": len(files)}
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """The `lmtrain demo` command."""
+    from lmtrain.cli import build_parser
+    from lmtrain.evaluate import evaluate_text
+    from lmtrain.prepare_data import prepare
+    from lmtrain.run_files import load_tokenizer, load_trained_model
+    from lmtrain.sample import generate_text
+    from lmtrain.train_run import run_train
+
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    data, run = out / "data", out / "run"
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = out / "corpus.txt"
+    info = build_corpus(corpus)
+    print(f"[1/5] corpus: {info['bytes'] / 1e6:.1f} MB of Python standard library source from {info['files']} of "
+          f"{info['available_files']} files -> {corpus}", flush=True)  # fmt: skip
+    meta = prepare([corpus], data, val_fraction=DEMO_VAL_FRACTION, progress=False)
+    print(
+        f"[2/5] prepare: tokenizer (vocab {meta['vocab_size']}) and token files: {meta['train']['tokens']:,} train / "
+        f"{meta['val']['tokens']:,} val tokens, {meta['bytes_per_token']:.2f} bytes per token -> {data}",
+        flush=True,
+    )
+    print(f"[3/5] train: cpu-small on CPU for {args.time_budget:.0f} s", flush=True)
+    train_args = build_parser().parse_args(
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            "--preset",
+            "cpu-small",
+            "--time-budget",
+            str(args.time_budget),
+        ]  # fmt: skip
+    )
+    run_train(train_args)
+    model, run_info, checkpoint = load_trained_model(run)
+    sp = load_tokenizer(run)
+    val_text = (data / "val.txt").read_text(encoding="utf-8")[:DEMO_EVAL_CHARS]
+    seq_len = run_info["data_config"]["seq_len"]
+    result = evaluate_text(model, sp, val_text, context=seq_len, stride=seq_len // 2, eos_id=run_info.get("eos_id"))
+    print(f"[4/5] eval on {len(val_text):,} held-out characters: {result['bits_per_byte']:.3f} bits per byte, "
+          f"token perplexity {result['token_ppl']:.1f} ({checkpoint})", flush=True)  # fmt: skip
+    sample = generate_text(str(run), "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
+    print("[5/5] sample (prompt 'def '):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+    print(
+        f"done in {time.perf_counter() - t0:.0f} s. Everything is under {out}/:\n"
+        f"  corpus      {corpus}\n  data        {data}/ (meta.json, tokenizer.model, train.bin, val.bin)\n"
+        f"  run         {run}/ (run.json, metrics.jsonl, checkpoints/)\n  loss plot   {run / 'loss.png'}\n"
+        f"next: lmtrain generate --run {run} --prompt 'class '  |  lmtrain eval --run {run} --text FILE"
+    )
+    return 0

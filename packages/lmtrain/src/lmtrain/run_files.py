@@ -1,0 +1,103 @@
+"""What a run directory holds and how the other commands read it back.
+
+RUN_DIR/
+    run.json            the model config, the data and training settings, the tokenizer's identity
+    tokenizer.model     a copy of the data's tokenizer, so a run evaluates and generates on its own
+    metrics.jsonl       one record per logged step (trainloop)
+    checkpoints/...     trainloop's checkpoints (latest_checkpoint() finds the newest complete one)
+    loss.png            the curves
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lmtrain.errors import LmtrainError
+
+RUN_FILE = "run.json"
+TOKENIZER_FILE = "tokenizer.model"
+META_FILE = "meta.json"
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """Read a JSON object or raise LmtrainError naming the file and what it should be."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LmtrainError(f"{path}: missing ({what})") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LmtrainError(f"{path}: unreadable {what}: {exc}") from None
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON through a temporary file and a rename, so a kill never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """DATA_DIR/meta.json as written by `lmtrain prepare`, with paths resolved against DATA_DIR."""
+    data = Path(data_dir)
+    meta = read_json(data / META_FILE, "written by `lmtrain prepare`")
+    for key in ("tokenizer", "train", "val"):
+        if key not in meta:
+            raise LmtrainError(f"{data / META_FILE}: no {key!r} entry; re-run `lmtrain prepare`")
+    meta["tokenizer_path"] = str(data / meta["tokenizer"])
+    meta["train_path"] = str(data / meta["train"]["file"])
+    meta["val_path"] = str(data / meta["val"]["file"])
+    return meta
+
+
+def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """RUN_DIR/run.json as written by `lmtrain train`."""
+    return read_json(Path(run_dir) / RUN_FILE, "written by `lmtrain train`")
+
+
+def load_trained_model(run_dir: str | os.PathLike, map_location: str = "cpu") -> tuple[Any, dict[str, Any], Path]:
+    """(GPT in eval mode with the latest checkpoint's weights, run.json, checkpoint path).
+
+    Example:
+        >>> model, run, ckpt = load_trained_model("runs/demo")  # doctest: +SKIP
+    """
+    from lmcore import GPT, ModelConfig
+    from trainloop import latest_checkpoint, load_model_weights
+
+    run = read_run(run_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise LmtrainError(f"{run_dir}: no complete checkpoint yet; train first (`lmtrain train --out {run_dir}`)")
+    model = GPT(ModelConfig.from_dict(run["model_config"]))
+    state = load_model_weights(checkpoint)
+    # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
+    state = {_strip_prefix(k): v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied output head has no tensor of its own in some formats.
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise LmtrainError(
+            f"{checkpoint}: weights do not match the run's model config (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
+    model.to(map_location).eval()
+    return model, run, checkpoint
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return name
+
+
+def load_tokenizer(run_dir: str | os.PathLike) -> Any:
+    """The run's SentencePiece processor."""
+    import sentencepiece as spm
+
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise LmtrainError(f"{path}: missing (the run's copy of the tokenizer, written by `lmtrain train`)")
+    return spm.SentencePieceProcessor(model_file=str(path))

@@ -1,0 +1,70 @@
+"""`lmtrain generate`: continue a prompt with the run's latest checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmtrain.errors import LmtrainError
+
+
+def generate_text(
+    run_dir: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int | None = None,
+) -> str:
+    """The prompt followed by up to `max_new_tokens` sampled tokens, as text.
+
+    Example:
+        >>> print(generate_text("runs/demo", "def main(", max_new_tokens=50, seed=0))  # doctest: +SKIP
+    """
+    import torch
+
+    from lmcore import generate
+    from lmtrain.run_files import load_tokenizer, load_trained_model
+    from lmtrain.text_codec import decode, encode
+
+    if max_new_tokens < 0:
+        raise LmtrainError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise LmtrainError(f"--temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise LmtrainError(f"--top-k must be >= 1, got {top_k}")
+    model, run, _ = load_trained_model(run_dir)
+    sp = load_tokenizer(run_dir)
+    eos_id = run.get("eos_id")
+    ids = encode(sp, prompt)
+    if eos_id is not None and eos_id >= 0:
+        ids = [eos_id] + ids  # the start of a document, as in training
+    top_k = None if top_k is None else min(top_k, model.config.vocab_size)
+    out = generate(
+        model,
+        torch.tensor([ids], dtype=torch.long),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        eos_id=eos_id,
+        seed=seed,
+    )
+    new = [int(i) for i in out[0, len(ids) :].tolist()]
+    if eos_id is not None and eos_id in new:
+        new = new[: new.index(eos_id)]
+    return prompt + decode(sp, new)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """The `lmtrain generate` command."""
+    print(
+        generate_text(
+            args.run,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+    )
+    return 0
