@@ -43,7 +43,7 @@ def test_watch_without_driver_prints_one_line_and_exits_2():
 def test_watch_host_draws_the_table():
     result = gpumon("watch", "--host", "--iterations", "2", "--refresh", "0.1")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("gpumon watch") == 2 and "tree_rss_bytes" in result.stdout
+    assert result.stdout.count("gpumon watch") == 2 and "tree_rss" in result.stdout and "GiB" in result.stdout
 
 
 @needs_no_driver

@@ -55,27 +55,38 @@ def _rate_ok(rate: float) -> bool:
     return False
 
 
+UNIT_SUFFIXES = ("_bytes", "_mw", "_mj", "_mhz", "_pct", "_kbps", "_c")
+SKIPPED_IN_WATCH = ("energy_mj", "processes")  # a driver-lifetime counter; a pid listing too wide for a table
+
+
 def _format(value: Any, unit: str) -> str:
     if value is None:
         return "-"
     if unit == "bitmask":
         return hex(int(value))
-    if unit == "pid:bytes":
-        return str(len(str(value).split())) + " procs"
-    shown, scale = DISPLAY.get(unit, (unit, 1))
-    return f"{value / scale:.3g} {shown}" if isinstance(value, (int, float)) else str(value)
+    scale = DISPLAY.get(unit, (unit, 1))[1]
+    return f"{value / scale:.4g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _header(metric: str, unit: str) -> tuple[str, str]:
+    name = next((metric[: -len(s)] for s in UNIT_SUFFIXES if metric.endswith(s)), metric)
+    shown = DISPLAY.get(unit, (unit, 1))[0]
+    return name, "" if shown in ("count", "bitmask") else shown
 
 
 def render_table(latest: dict[str, Any], units: dict[str, str]) -> str:
-    """One row per GPU (or host), one column per metric, from `Monitor.latest()`."""
+    """One row per GPU (or host), one column per metric (name and unit as a two-line header)."""
     groups: dict[str, dict[str, str]] = {}
+    headers: dict[str, tuple[str, str]] = {}
     for column, value in latest.items():
         group, metric = column.split(".", 1)
-        if metric == "energy_mj":
-            continue  # a driver-lifetime counter: meaningless as a live number
+        if metric in SKIPPED_IN_WATCH:
+            continue
         groups.setdefault(group, {})[metric] = _format(value, units.get(column, ""))
-    metrics = list(dict.fromkeys(m for g in groups.values() for m in g))
-    rows = [["", *metrics]] + [[g, *(vals.get(m, "") for m in metrics)] for g, vals in groups.items()]
+        headers.setdefault(metric, _header(metric, units.get(column, "")))
+    metrics = list(headers)
+    rows = [["", *(headers[m][0] for m in metrics)], ["", *(headers[m][1] for m in metrics)]]
+    rows += [[g, *(vals.get(m, "") for m in metrics)] for g, vals in groups.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
