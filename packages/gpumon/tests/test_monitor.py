@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -125,3 +126,25 @@ def test_real_nvml_monitor_records_every_visible_gpu(tmp_path):
     assert summary.samples > 10 and not summary.lost
     for gpu in gpumon.devices():
         assert summary.metrics[f"gpu{gpu['index']}.memory_used_bytes"]["reads"] > 10
+
+
+def test_blocking_calls_run_off_the_fast_thread(fake, tmp_path):
+    # NVML's PCIe throughput call waits for its 20 ms window: it must not hold up the 100 Hz ticks
+    threads = set()
+    original = fake.nvmlDeviceGetPcieThroughput
+
+    def slow_pcie(handle, counter):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02)
+        return original(handle, counter)
+
+    fake.nvmlDeviceGetPcieThroughput = slow_pcie
+    fake.gpus[1].lost_at = None
+    with gpumon.Monitor(rate_hz=100, out=tmp_path / "g.csv", periods={"pcie": 0.1}) as mon:
+        time.sleep(0.35)
+    assert threads == {"gpumon-sampler-slow"}
+    reads = mon.summary().metrics["gpu0.pcie_tx_kbps"]["reads"]
+    assert reads >= 2  # the readings made it into the statistics (and the file, checked next)
+    rec = Recording(tmp_path / "g.csv")
+    i = rec.columns.index("gpu0.pcie_tx_kbps")
+    assert sum(1 for _, kind, _, _, cells in rec.rows() if kind == "s" and cells[i]) == reads

@@ -179,12 +179,13 @@ class NVMLBackend:
             ),
             poller("clock_events", [f"{g}.clock_event_reasons"], ["bitmask"], read_clock_events),
             poller("utilization", [f"{g}.util_gpu_pct", f"{g}.util_memory_pct"], ["%", "%"], read_utilization),
-            poller("pcie", [f"{g}.pcie_tx_kbps", f"{g}.pcie_rx_kbps"], ["KB/s", "KB/s"], read_pcie),
+            poller("pcie", [f"{g}.pcie_tx_kbps", f"{g}.pcie_rx_kbps"], ["KB/s", "KB/s"], read_pcie, blocking=True),
             poller(
                 "processes",
                 [f"{g}.process_count", f"{g}.process_memory_bytes", f"{g}.processes"],
                 ["count", "B", "pid:bytes"],
                 read_processes,
+                blocking=True,
             ),
         ]
 

@@ -33,6 +33,7 @@ class Poller:
     classify: Callable[[BaseException], Failure] = count_everything_as_error
     drop: Callable[[str], None] | None = None
     counter_columns: set[str] = field(default_factory=set)  # monotonically increasing (energy): summed as increases
+    blocking: bool = False  # a call that can take milliseconds: the sampler runs it off the fast thread
 
     def __post_init__(self) -> None:
         if len(self.columns) != len(self.units):

@@ -4,6 +4,10 @@ Tick k is due at t0 + k/rate (deadlines never accumulate the lateness of earlier
 than one period behind skips the deadlines it missed rather than bursting to catch up. Each poller has its own
 period and next-due time on the same clock. Any exception from a poller or from the file is counted and reported in
 the summary; a device reported lost stops being read while the others go on.
+
+Pollers marked `blocking` (NVML's PCIe throughput waits ~20 ms, the process listing milliseconds) run in a second
+thread on their own deadlines, so they never delay the fast ticks; their readings enter the file and the
+statistics with the next tick. Without the threads (`sample_once` called directly) everything runs inline.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ def next_tick_index(k: int, elapsed: float, period: float) -> int:
     them runs at once) instead of being run back to back, and the grid itself never shifts.
     """
     return max(k + 1, math.floor(elapsed / period))
+
+
+def _advance(next_due: float, now: float, period: float) -> float:
+    # the next deadline of a poller on its own grid, past `now` (missed ones are skipped, not made up)
+    return next_due + max(1, math.floor((now - next_due) / period) + 1) * period
 
 
 def _cell(value: Any) -> str:
@@ -87,6 +96,11 @@ class Sampler:
         self._reported: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._slow_thread: threading.Thread | None = None
+        self._slow = [i for i, p in enumerate(self.pollers) if p.blocking]
+        self._slow_results: deque[tuple[int, list[Any]]] = deque()
+        self._slow_cpu_s = 0.0
+        self._slow_busy_s = 0.0
         self.t0: float | None = None
         self.busy_s = 0.0
         self.cpu_s = 0.0
@@ -106,13 +120,17 @@ class Sampler:
             raise RuntimeError("Sampler.start(): already started")
         self.t0 = self.clock()
         self._thread = threading.Thread(target=self._run, name="gpumon-sampler", daemon=True)
+        if self._slow:
+            self._slow_thread = threading.Thread(target=self._run_slow, name="gpumon-sampler-slow", daemon=True)
+            self._slow_thread.start()
         self._thread.start()
 
     def stop(self) -> None:
         """Stop the thread, write the trailer and close the file. Never raises; safe to call twice."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(JOIN_TIMEOUT_S)
+        for thread in (self._thread, self._slow_thread):
+            if thread is not None:
+                thread.join(JOIN_TIMEOUT_S)
         with self._lock:
             events: list[tuple[float, str, str, str]] = []
             self._take_marks(events)  # marks made after the last tick
@@ -123,8 +141,8 @@ class Sampler:
                     self._writer.close(
                         {
                             "ticks": self._builder.ticks,
-                            "busy_s": self.busy_s,
-                            "cpu_s": self.cpu_s,
+                            "busy_s": self.busy_s + self._slow_busy_s,
+                            "cpu_s": self.cpu_s + self._slow_cpu_s,
                             "errors": self._builder.errors,
                             "lost": self._builder.lost,
                         }
@@ -151,7 +169,7 @@ class Sampler:
 
     def summary(self) -> Summary:
         with self._lock:
-            return self._builder.finish(busy_s=self.busy_s, cpu_s=self.cpu_s)
+            return self._builder.finish(busy_s=self.busy_s + self._slow_busy_s, cpu_s=self.cpu_s + self._slow_cpu_s)
 
     # -- the loop --------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,6 +191,29 @@ class Sampler:
             k = next_tick_index(k, self.clock() - t0, self.period)
         self.cpu_s = time.thread_time() - cpu_start
 
+    def _run_slow(self) -> None:
+        t0 = self.t0 if self.t0 is not None else self.clock()
+        cpu_start = time.thread_time()
+        while not self._stop.is_set():
+            due = [(self._next_due[i], i) for i in self._slow if i in self._active]
+            now = self.clock() - t0
+            wait = min(due)[0] - now if due else MAX_SLEEP_S
+            if wait > 0:
+                time.sleep(min(wait, MAX_SLEEP_S))
+                continue
+            i = min(due)[1]
+            p = self.pollers[i]
+            self._next_due[i] = _advance(self._next_due[i], now, p.period_s)
+            started = time.perf_counter()
+            try:
+                values = list(p.read())
+            except Exception as exc:
+                values = [exc] * len(p.columns)
+            self._slow_busy_s += time.perf_counter() - started
+            self._slow_results.append((i, values))  # recorded by the fast thread at its next tick
+            self._slow_cpu_s = time.thread_time() - cpu_start
+        self._slow_cpu_s = time.thread_time() - cpu_start
+
     def sample_once(self, t: float) -> None:
         """One tick at time `t` (seconds since start). The thread calls it; tests call it with a fake clock."""
         with self._lock:
@@ -183,35 +224,27 @@ class Sampler:
 
     def _tick(self, t: float) -> None:
         self._now_t = t
-        builder, last, dropped = self._builder, self._last, self._dropped
+        builder = self._builder
         cells = [MISSING] * len(self.columns)
         events: list[tuple[float, str, str, str]] = []
+        slow_lane = self._slow_thread is not None
+        while self._slow_results:
+            i, values = self._slow_results.popleft()
+            if i in self._active and self.pollers[i].group not in self._lost_groups:
+                self._record(i, values, t, cells, events)
         for i in list(self._active):
             p = self.pollers[i]
-            if p.group in self._lost_groups:
-                continue  # lost earlier in this same tick
+            if p.group in self._lost_groups or (p.blocking and slow_lane):
+                continue  # lost earlier in this same tick, or read by the slow thread
             if p.period_s > 0:
                 if t < self._next_due[i] - 0.5 * self.period:
                     continue
-                steps = max(1, math.floor((t - self._next_due[i]) / p.period_s) + 1)
-                self._next_due[i] += steps * p.period_s
+                self._next_due[i] = _advance(self._next_due[i], t, p.period_s)
             try:
                 values = p.read()
             except Exception as exc:
                 values = [exc] * len(p.columns)
-            for (column, j, stats), value in zip(self._plan[i], values, strict=True):
-                if column in dropped:
-                    continue
-                if isinstance(value, BaseException):
-                    cells[j] = FAILED
-                    self._failed(p, i, column, value, events)
-                elif value == last[j]:
-                    cells[j] = STALE
-                    stats.add_stale(t, value)
-                else:
-                    cells[j] = _cell(value)
-                    last[j] = value
-                    stats.add(t, value, True)
+            self._record(i, values, t, cells, events)
         self._take_marks(events)
         builder.add_tick(t)
         if self._writer is not None:
@@ -225,6 +258,23 @@ class Sampler:
             except OSError as exc:  # disk full, file removed: keep sampling in memory, report it
                 self._count("file", f"writing stopped: {exc}", "error")
                 self._writer = None
+
+    def _record(self, i: int, values: Sequence[Any], t: float, cells: list[str], events: list) -> None:
+        """Turn one poller's values into cells (fresh, `=` stale, `!` failed) and statistics."""
+        p, last, dropped = self.pollers[i], self._last, self._dropped
+        for (column, j, stats), value in zip(self._plan[i], values, strict=True):
+            if column in dropped:
+                continue
+            if isinstance(value, BaseException):
+                cells[j] = FAILED
+                self._failed(p, i, column, value, events)
+            elif value == last[j]:
+                cells[j] = STALE
+                stats.add_stale(t, value)
+            else:
+                cells[j] = _cell(value)
+                last[j] = value
+                stats.add(t, value, True)
 
     def _take_marks(self, events: list[tuple[float, str, str, str]]) -> None:
         while self._marks:
