@@ -132,7 +132,7 @@ class NVMLBackend:
         def read_processes() -> list[Any]:
             procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
             used = [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
-            listing = " ".join(f"{pid}:{mem}" for pid, mem in sorted(used))
+            listing = " ".join(f"{pid}:{mem}" for pid, mem in sorted(used)) or "-"  # an empty cell means "not read"
             return [len(used), sum(m for _, m in used), listing]
 
         util_period = period["utilization"]

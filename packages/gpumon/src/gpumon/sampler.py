@@ -197,9 +197,9 @@ class Sampler:
         while not self._stop.is_set():
             due = [(self._next_due[i], i) for i in self._slow if i in self._active]
             now = self.clock() - t0
-            wait = min(due)[0] - now if due else MAX_SLEEP_S
+            wait = min(due)[0] - now if due else 1.0
             if wait > 0:
-                time.sleep(min(wait, MAX_SLEEP_S))
+                self._stop.wait(wait)  # wakes at once on stop(); this thread runs only a few times a second
                 continue
             i = min(due)[1]
             p = self.pollers[i]
