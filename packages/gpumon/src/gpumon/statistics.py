@@ -138,7 +138,12 @@ class MetricStats:
 
 @dataclass
 class Summary:
-    """What a run looked like. `str(summary)` is a table; `to_dict()` is JSON-able (native units, see `unit`)."""
+    """What a run looked like. `str(summary)` is a table; `to_dict()` is JSON-able (native units, see `unit`).
+
+    Example:
+        >>> s = mon.summary()
+        >>> s.metrics["gpu0.memory_used_bytes"]["peak"] / 2**30, s.energy_j.get("gpu0"), s.sampler_cpu_percent
+    """
 
     rate_hz: float
     duration_s: float
