@@ -3,6 +3,7 @@
 Per-group clipping, closed-form schedules, atomic checkpoints, exact resume.
 """
 
+from trainloop.calibration import calibrate
 from trainloop.checkpoint import latest_checkpoint, load_model_weights
 from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
 from trainloop.config import TrainConfig, load_clip_groups
@@ -22,6 +23,7 @@ __all__ = [
     "__version__",
     "adamw_param_groups",
     "build_ds_config",
+    "calibrate",
     "evaluate",
     "latest_checkpoint",
     "load_clip_groups",

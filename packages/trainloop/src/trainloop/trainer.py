@@ -43,6 +43,15 @@ class NonFiniteLossError(RuntimeError):
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+def _collective_failure(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        k in text for k in ("gloo", "connection closed", "connection reset", "timed out", "timeout", "nccl")
+    )
+
+
 class Trainer:
     """Trains any ``nn.Module`` whose ``model(inputs, targets)`` returns a loss (Tensor, ``.loss`` or ``["loss"]``).
 
@@ -351,6 +360,14 @@ class Trainer:
                 if self._stop:
                     summary["stopped"] = self._stop
                     break
+        except Exception as exc:
+            if self.world_size > 1 and _collective_failure(exc):
+                raise RuntimeError(
+                    f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}). Another rank most likely died or hung: read "
+                    f"its log. Collectives wait at most TrainConfig.dist_timeout_s={self.config.dist_timeout_s} s."
+                ) from exc
+            raise
         finally:
             if anomaly is not None:
                 torch.autograd.set_detect_anomaly(False)

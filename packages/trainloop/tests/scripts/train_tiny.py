@@ -20,6 +20,7 @@ def main() -> None:
     ds_config = args.pop("ds_config", None)
     global_batch = args.pop("global_batch", 8)
     hook = args.pop("slow_save_at", None)
+    args_hang = args.pop("hang_rank_at", None)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -43,9 +44,28 @@ def main() -> None:
         import trainloop.engine_torch as et
 
         et.save_model_weights = slow
+    hang = args_hang
     torch.manual_seed(0)
+    model = TinyLM()
+    if hang is not None and rank == hang[0]:
+        import time
+
+        real_forward = model.forward
+        calls = {"n": 0}
+
+        def forward(inputs, targets):
+            calls["n"] += 1
+            if calls["n"] > hang[1] * cfg.grad_accum:
+                import signal
+
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # let torchrun end the hung rank at once
+                print(f"rank {rank} hangs", flush=True)
+                time.sleep(600)
+            return real_forward(inputs, targets)
+
+        model.forward = forward
     data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
-    trainer = Trainer(TinyLM(), cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
+    trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
     out = trainer.fit(resume=resume)
     if rank == 0:
         print("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}), flush=True)

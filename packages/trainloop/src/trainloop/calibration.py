@@ -1,0 +1,86 @@
+"""calibrate: clipping thresholds from a percentile of measured per-group gradient norms."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainloop.clipping import DEFAULT_GROUP, ClipGroups
+from trainloop.config import TrainConfig
+from trainloop.trainer import Batch, Trainer
+
+
+def calibrate(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    train_data: Iterable[Batch],
+    *,
+    run_dir: str | Path,
+    patterns: list[str] | None = None,
+    at_step: int = 500,
+    n_batches: int = 100,
+    percentile: float = 95.0,
+    out: str | Path | None = None,
+    ds_config: dict | str | Path | None = None,
+    resume: bool = True,
+) -> dict[str, Any]:
+    """Train to ``at_step`` (resuming from ``run_dir`` when it has a checkpoint), then measure each group's gradient
+    norm on ``n_batches`` further optimizer batches without stepping, and return (and write to ``out``) the
+    ``percentile`` of each group as its threshold. Parameters matching no pattern are reported under the catch-all
+    pattern ``"*"``, so the JSON can be handed straight to ``TrainConfig(clip_groups=path)``.
+
+    The write-up's recipe is the 95th percentile over 100 batches at step 500.
+
+    Example:
+        >>> calibrate(model, cfg, loader, run_dir="runs/cal", patterns=["embed.*", "*.o_proj.*", "norm_f.*"],
+        ...           at_step=500, n_batches=100, percentile=95, out="clip.json")  # doctest: +SKIP
+        {'thresholds': {'embed.*': 2.1, '*.o_proj.*': 0.48, 'norm_f.*': 0.09, '*': 1.02}, ...}
+    """
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile={percentile} must be in (0, 100]")
+    if n_batches < 1:
+        raise ValueError(f"n_batches={n_batches} must be >= 1")
+    if at_step < 0:
+        raise ValueError(f"at_step={at_step} must be >= 0")
+    patterns = list(patterns if patterns is not None else (config.clip_groups or {}))
+    run_cfg = dataclasses.replace(config, max_steps=max(at_step, 1), save_every=0, eval_every=0)
+    trainer = Trainer(model, run_cfg, train_data, run_dir=run_dir, ds_config=ds_config)
+    if at_step > 0:
+        trainer.fit(resume=resume)
+    probe = ClipGroups(trainer.engine.names, {p: 1.0 for p in patterns}, 0.0)
+    engine = trainer.engine
+    it = iter(train_data)
+    norms: dict[str, list[float]] = {g: [] for g in probe.group_names}
+    for _ in range(n_batches):
+        for micro in range(config.grad_accum):
+            batch = trainer._next(it)
+            if batch is None:
+                raise ValueError(f"train_data ran out after {len(norms[DEFAULT_GROUP])} of {n_batches} batches")
+            engine.micro_step(*batch, micro == config.grad_accum - 1, config.grad_accum)
+        scale = engine.unscale()
+        named, partitioned = engine.local_grads()
+        report = probe.clip(named, all_reduce=partitioned, unscale=scale, apply=False)
+        engine.skip()  # measure only: the optimizer never sees these gradients
+        for g, v in report.norms.items():
+            norms[g].append(v)
+    has_default = any(i == len(patterns) for i in probe.index_of.values())
+    thresholds = {p: float(np.percentile(norms[p], percentile)) for p in patterns}
+    if has_default:
+        thresholds["*"] = float(np.percentile(norms[DEFAULT_GROUP], percentile))
+    result = {
+        "thresholds": thresholds,
+        "percentile": percentile,
+        "at_step": trainer.step if at_step > 0 else 0,
+        "n_batches": n_batches,
+        "norms": {("*" if g == DEFAULT_GROUP else g): v for g, v in norms.items() if g != DEFAULT_GROUP or has_default},
+    }
+    if out is not None and trainer.is_main:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result

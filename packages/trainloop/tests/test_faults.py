@@ -1,0 +1,84 @@
+"""Preemption, kills during a save, and a hung rank, each in a real subprocess."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from launch import command, env, run
+from tiny_model import SeqData, TinyLM
+
+from trainloop import TrainConfig, Trainer, latest_checkpoint, load_model_weights
+from trainloop.checkpoint import find_resumable
+
+
+def _start(args, nproc=1):
+    return subprocess.Popen(command("train_tiny.py", args, nproc), env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _wait_for(proc, needle, timeout=120):
+    seen = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if needle in line:
+            return seen
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise AssertionError(f"never saw {needle!r}:\n{''.join(seen[-40:])}")
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = _start({"run_dir": str(tmp_path), "max_steps": 100000, "t_max": 1000})
+    _wait_for(proc, "step 5 |")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[8:])
+    assert summary["stopped"] == "SIGTERM" and 5 < summary["step"] < 100000
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and int(ckpt.name.split("_")[1]) == summary["step"]
+    # The preempted run resumes where it stopped.
+    cfg = TrainConfig(max_steps=summary["step"] + 2, t_max=1000, progress=False, tensorboard=False, micro_batch=8)
+    t = Trainer(TinyLM(), cfg, SeqData(8), run_dir=tmp_path)
+    assert t.fit(resume=True)["step"] == summary["step"] + 2
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    proc = _start({"run_dir": str(tmp_path), "max_steps": 100, "save_every": 2, "slow_save_at": 4})
+    _wait_for(proc, "SAVE_IN_PROGRESS")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (tmp_path / "checkpoints" / ".tmp-step_00000004" / "model.safetensors").exists()  # killed mid-save
+    ckpt, skipped = find_resumable(tmp_path)
+    assert ckpt.name == "step_00000002"
+    assert [p.name for p, _ in skipped] == [".tmp-step_00000004"]
+    model = TinyLM()
+    model.load_state_dict(load_model_weights(ckpt))
+    cfg = TrainConfig(max_steps=3, t_max=10, progress=False, tensorboard=False, micro_batch=8)
+    assert Trainer(model, cfg, SeqData(8), run_dir=tmp_path).fit(resume=True)["step"] == 3
+
+
+@pytest.mark.slow
+def test_hung_rank_makes_the_other_fail_clearly(tmp_path):
+    args = {"run_dir": str(tmp_path), "max_steps": 10, "hang_rank_at": [1, 3], "dist_timeout_s": 5}
+    with pytest.raises(AssertionError) as info:
+        run("train_tiny.py", args, nproc=2, timeout=200)
+    text = str(info.value)
+    assert "rank 1 hangs" in text
+    assert "rank 0: a collective operation failed at step 3" in text and "dist_timeout_s=5" in text
+
+
+def test_detect_anomaly_names_the_operation(tmp_path):
+    class SqrtNeg(TinyLM):
+        def forward(self, inputs, targets):
+            return super().forward(inputs, targets) + (self.head.weight.sum() * 0 - 1).sqrt()
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(max_steps=3, detect_anomaly=True, progress=False, tensorboard=False)
+    with pytest.raises(RuntimeError, match="SqrtBackward"), pytest.warns(UserWarning):
+        Trainer(SqrtNeg(), cfg, SeqData(4), run_dir=tmp_path).fit()
