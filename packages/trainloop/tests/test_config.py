@@ -10,7 +10,6 @@ BAD = [
     ("min_lr", -1.0),
     ("min_lr", 1.0),  # above lr
     ("warmup_steps", -1),
-    ("warmup_steps", 2000),  # beyond t_max
     ("schedule", "linear"),
     ("t_max", 0),
     ("wsd_decay_steps", -3),

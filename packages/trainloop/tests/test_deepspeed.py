@@ -45,8 +45,9 @@ def _close(a, b, rtol):
 def test_zero2_two_ranks_match_single_process_and_resume(tmp_path):
     ref, ref_w = _reference(tmp_path / "ref", 10)
     ds_dir = tmp_path / "ds"
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}
     args = {"run_dir": str(ds_dir), "engine": "deepspeed", "max_steps": 10, "save_every": 5, "clip_groups": CLIP,
-            "ds_config": {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True}}}  # fmt: skip
+            "ds_config": {"zero_optimization": zero}}  # fmt: skip
     run("train_tiny.py", args, nproc=2)
     got = _records(ds_dir)
     assert [r["step"] for r in got] == list(range(1, 11))

@@ -114,3 +114,48 @@ def test_nan_skip_recovers(tmp_path):
     out = Trainer(model, _cfg(max_steps=4), SeqData(4), run_dir=tmp_path).fit()
     assert out["total_skips"] == 1 and out["step"] == 4
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_with_accumulation_match_single_process(tmp_path):
+    from launch import run
+
+    run("train_tiny.py", {"run_dir": str(tmp_path / "ddp"), "max_steps": 6, "grad_accum": 2}, nproc=2)
+    torch.manual_seed(0)
+    cfg = _cfg(lr=1e-2, max_steps=6, t_max=None, micro_batch=4, grad_accum=2)
+    cfg = TrainConfig(**{**cfg.to_dict(), "t_max": 6, "min_lr": 1e-4})
+    # Same global rows: one process with micro-batches of 4 sees what 2 ranks x 2 rows see (SeqData splits rows).
+    Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path / "one").fit()
+    for a, b in zip(_losses(tmp_path / "ddp"), _losses(tmp_path / "one"), strict=True):
+        assert a[0] == b[0] and abs(a[1] - b[1]) <= 1e-5 * abs(b[1]), (a, b)
+
+
+def test_time_budget_ends_with_checkpoint_and_eval(tmp_path):
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=10**6, t_max=100, time_budget_s=1.0)
+    out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path, eval_data=lambda: eval_batches()).fit()
+    assert out["stopped"] == "time_budget" and 0 < out["step"] < 10**6
+    assert out["eval"] is not None and latest_checkpoint(tmp_path).name == f"step_{out['step']:08d}"
+
+
+@pytest.mark.parametrize("wrap", [lambda loss: {"loss": loss}, lambda loss: type("Out", (), {"loss": loss})()])
+def test_model_output_forms(tmp_path, wrap):
+    class Wrapped(TinyLM):
+        def forward(self, inputs, targets):
+            return wrap(super().forward(inputs, targets))
+
+    out = Trainer(Wrapped(), _cfg(max_steps=2), SeqData(4), run_dir=tmp_path).fit()
+    assert math.isfinite(out["loss"])
+
+
+def test_bad_model_output_and_arguments(tmp_path):
+    class NoLoss(TinyLM):
+        def forward(self, inputs, targets):
+            return (super().forward(inputs, targets),)
+
+    with pytest.raises(TypeError, match="expected a loss Tensor"):
+        Trainer(NoLoss(), _cfg(max_steps=1), SeqData(4), run_dir=tmp_path).fit()
+    with pytest.raises(ValueError, match="engine='deepspeed'"):
+        Trainer(TinyLM(), _cfg(), SeqData(4), run_dir=tmp_path, ds_config={})
+    with pytest.raises(TypeError, match="eval_data must be a zero-argument callable"):
+        Trainer(TinyLM(), _cfg(), SeqData(4), run_dir=tmp_path, eval_data=eval_batches())

@@ -98,7 +98,6 @@ class TrainConfig:
         if self.t_max is None:
             self.t_max = self.max_steps
         int_at_least("t_max", 1)
-        need(self.warmup_steps <= self.t_max, "warmup_steps", f"must not exceed t_max={self.t_max}")
         if self.wsd_decay_steps is not None:
             int_at_least("wsd_decay_steps", 0)
             need(self.wsd_decay_steps <= self.t_max - self.warmup_steps, "wsd_decay_steps", "must fit after warmup")

@@ -19,9 +19,10 @@ def main() -> None:
     results = {}
     for case in args["cases"]:
         stage, precision = case["stage"], case["precision"]
+        clip = case.get("clip_groups", {"embed.*": 0.3, "*o_proj*": 0.05})
         cfg = TrainConfig(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=args["steps"], micro_batch=8 // world,
                           log_every=1, progress=False, tensorboard=False, engine="deepspeed", precision=precision,
-                          clip_groups=case.get("clip_groups", {"embed.*": 0.3, "*o_proj*": 0.05}), save_every=args["steps"])  # fmt: skip
+                          clip_groups=clip, save_every=args["steps"])  # fmt: skip
         torch.manual_seed(0)
         run_dir = Path(args["run_dir"]) / f"s{stage}_{precision}"
         ds = {"zero_optimization": {"stage": stage}}
