@@ -46,14 +46,18 @@ def _kernel(name: str, block_d: int):
     return _tuned[(name, cls)]
 
 
-def _launch_options(name: str, block_d: int) -> dict:
-    """Tile sizes passed explicitly when the kernel is not autotuned."""
+def _launch_options(name: str, block_d: int, dtype: torch.dtype) -> dict:
+    """Tile sizes passed explicitly when the kernel is not autotuned (the autotuner skips configs that do not fit)."""
     if INTERPRETED:
         return {"BLOCK_M": _INTERPRETER_BLOCK, "BLOCK_N": _INTERPRETER_BLOCK}
     if _autotune_enabled():
         return {}
     first = _configs(name, block_d)[0]
-    return {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
+    options = {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
+    if dtype == torch.float32:
+        # fp32 tiles take twice the shared memory of the 16-bit tiles the configs are sized for.
+        options.update(BLOCK_N=min(options["BLOCK_N"], 32), num_stages=min(options["num_stages"], 2))
+    return options
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -99,7 +103,7 @@ class _AlibiAttention(torch.autograd.Function):
             q, k, v, slopes32, out, lse,
             *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), stride_sb, slopes32.stride(1),
             hq, hq // hkv, tq, tk, scale * LOG2E, t_bucket,
-            **common, **_launch_options("fwd", block_d),
+            **common, **_launch_options("fwd", block_d, q.dtype),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, slopes32)
         ctx.causal, ctx.scale, ctx.slopes_shape = causal, scale, slopes_2d.shape
@@ -133,7 +137,7 @@ class _AlibiAttention(torch.autograd.Function):
 
         _kernel("dkdv", block_d)[grid_kv](
             q, k, v, slopes32, do, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, tq, tk, *scales, **common,
-            **_launch_options("dkdv", block_d),
+            **_launch_options("dkdv", block_d, q.dtype),
         )  # fmt: skip
 
         # Partial slope gradients, one per (batch*head, query block); sized for the smallest candidate BLOCK_M.
@@ -146,7 +150,7 @@ class _AlibiAttention(torch.autograd.Function):
         _kernel("dq", block_d)[grid_q](
             q, k, v, slopes32, do, lse, delta, dq, dslope_parts, dslope_parts.stride(0),
             *strides, hq, hq // hkv, tq, tk, *scales,
-            SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d),
+            SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d, q.dtype),
         )  # fmt: skip
 
         dslopes = None
