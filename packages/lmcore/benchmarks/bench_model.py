@@ -1,0 +1,125 @@
+"""Forward+backward tokens/s of lmcore.GPT (ALiBi) against a plain same-size GPT (learned positions, causal SDPA).
+
+The baseline is written here, nanoGPT style: fused qkv projection, learned position embedding,
+F.scaled_dot_product_attention(is_causal=True), GELU MLP, LayerNorm with bias, tied embeddings.
+Repetitions of the two models are interleaved so that load from other processes hits both alike;
+the reported figure is the median over repetitions. Prints a table, then the ratio lines; the last line is
+`alibi_model_vs_plain: <ratio>` at nanoGPT's CPU "baby" size (4 layers, 4 heads, width 128, T=64, B=12).
+
+    python benchmarks/bench_model.py [--reps 15] [--iters 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmcore import GPT, ModelConfig
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class PlainGPT(nn.Module):
+    """The baseline: learned absolute positions and PyTorch's causal SDPA."""
+
+    def __init__(self, vocab: int, n_layer: int, n_head: int, d: int, context: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(PlainBlock(d, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def step_time(step, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - start) / iters
+
+
+def measure(T: int, B: int, reps: int, iters: int, vocab: int = 65) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=vocab, n_layer=4, n_head=4, d_model=128, context_length=T, dropout=0.0)
+    models = {"alibi": GPT(config), "plain": PlainGPT(vocab, 4, 4, 128, T)}
+    idx = torch.randint(0, vocab, (B, T))
+    tgt = torch.randint(0, vocab, (B, T))
+
+    def alibi_step():
+        models["alibi"].zero_grad(set_to_none=True)
+        models["alibi"](idx, tgt).loss.backward()
+
+    def plain_step():
+        models["plain"].zero_grad(set_to_none=True)
+        models["plain"](idx, tgt).backward()
+
+    steps = {"alibi": alibi_step, "plain": plain_step}
+    for step in steps.values():  # warm-up: allocator, bias cache, oneDNN primitives
+        step_time(step, 2)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    ratios = []
+    for rep in range(reps):
+        order = list(steps) if rep % 2 == 0 else list(reversed(steps))  # alternate who goes first
+        times = {name: step_time(steps[name], iters) for name in order}
+        for name, t in times.items():
+            samples[name].append(B * T / t)
+        ratios.append(times["plain"] / times["alibi"])
+    return {
+        "alibi": statistics.median(samples["alibi"]),
+        "plain": statistics.median(samples["plain"]),
+        "ratio": statistics.median(ratios),  # median of per-repetition ratios (paired, so load cancels)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=5)
+    # One thread by default: on a shared 2-core box, two OpenMP threads spin against other processes and the
+    # timings swing several-fold; --threads 0 leaves torch's own choice.
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.reps} reps x {args.iters} iters")
+    results = {}
+    for T, reps in ((512, max(3, args.reps // 3)), (64, args.reps)):
+        results[T] = measure(T, 12, reps, args.iters)
+    print(f"{'T':>5} {'B':>3} {'alibi tok/s':>12} {'plain tok/s':>12} {'ratio':>7}")
+    for T, r in results.items():
+        print(f"{T:>5} {12:>3} {r['alibi']:>12.0f} {r['plain']:>12.0f} {r['ratio']:>7.3f}")
+    print(f"alibi_model_vs_plain_T512: {results[512]['ratio']:.3f}")
+    print(f"alibi_model_vs_plain: {results[64]['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
