@@ -6,6 +6,9 @@ write_tokens, then times B x T random-window batches three ways, in this one run
   nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
   tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
   tokbin Loader    the same through Loader (BackgroundGenerator thread, max_prefetch=3), as a training loop sees it
+  Loader, busy     the same Loader with a consumer that sleeps 2 ms per batch (a training step that releases the
+                   GIL, as a CUDA sync does): the time spent inside next() expressed as tokens/s, i.e. how fast
+                   batches are handed over when the prefetch queue is kept full. Context, not the goal figure
   raw copy bound   np.copyto of the bytes one batch delivers (inputs + targets, 2*B*T int64 = 256 KiB), from a
                    64 MiB RAM array (so the source is not cache-resident) into a preallocated buffer
   raw file copy    np.copyto of the bytes one batch reads from the file (B*(T+1) uint16 = 32 KiB, one contiguous
@@ -49,16 +52,22 @@ def nanogpt_get_batch(path: Path, n_tokens: int, gen: torch.Generator) -> tuple[
     return x, y
 
 
-def best_rate(fn, n_batches: int, repeats: int = 3) -> float:
-    """Tokens per second (B*T per batch), best of ``repeats`` runs of ``n_batches`` after a warm-up."""
-    for _ in range(min(50, n_batches)):
-        fn()
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n_batches):
+def interleaved_best(fns: dict, n_batches: int, rounds: int) -> dict:
+    """Tokens/s (B*T per batch) per method: best of ``rounds`` timed runs of ``n_batches`` each, after a warm-up.
+
+    The methods take turns within each round, so on a shared machine a burst of load from other jobs falls on
+    all of them rather than on whichever happened to run at that moment.
+    """
+    for fn in fns.values():
+        for _ in range(min(50, n_batches)):
             fn()
-        best = max(best, n_batches * B * T / (time.perf_counter() - t0))
+    best = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(n_batches):
+                fn()
+            best[name] = max(best[name], n_batches * B * T / (time.perf_counter() - t0))
     return best
 
 
@@ -66,10 +75,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M tokens and fewer batches (not the 100M goal setup)")
     ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--batches", type=int, default=None)
+    ap.add_argument("--batches", type=int, default=None, help="batches per timed run (default 1000, --quick 200)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed runs per method, interleaved; the best is kept")
     args = ap.parse_args()
     n_tokens = args.tokens or (10_000_000 if args.quick else 100_000_000)
-    n_batches = args.batches or (300 if args.quick else 1500)
+    n_batches = args.batches or (200 if args.quick else 1000)
 
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
         path = Path(tmp) / "tokens.bin"
@@ -80,14 +90,8 @@ def main() -> None:
 
         tf = TokenFile(path)
         gen = torch.Generator().manual_seed(0)
-        recipe = best_rate(lambda: nanogpt_get_batch(path, n_tokens, gen), n_batches)
-
-        sampler = RandomWindows(tf.n_tokens, T, B, seed=0)
-        it = iter(sampler)
-        gather = best_rate(lambda: tf.gather(*next(it)), n_batches)
-
-        with Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=1), max_prefetch=3) as loader:
-            loader_rate = best_rate(lambda: next(loader), n_batches)
+        it = iter(RandomWindows(tf.n_tokens, T, B, seed=0))
+        loader = Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=1), max_prefetch=3)
 
         src = np.random.default_rng(0).integers(0, VOCAB, size=256 * 2 * B * T, dtype=np.int64)  # 64 MiB in RAM
         dst = np.empty(2 * B * T, dtype=np.int64)
@@ -97,8 +101,6 @@ def main() -> None:
             lo = pos[0]
             np.copyto(dst, src[lo : lo + dst.size])
             pos[0] = (lo + dst.size) % src.size
-
-        bound = best_rate(raw_copy, n_batches)
 
         ids = np.asarray(tf.tokens)
         dst16 = np.empty(B * (T + 1), dtype=ids.dtype)
@@ -110,17 +112,44 @@ def main() -> None:
             np.copyto(dst16, ids[o : o + dst16.size])
             k[0] += 1
 
-        file_copy = best_rate(raw_file_copy, n_batches)
+        with loader:
+            rates = interleaved_best(
+                {
+                    "recipe": lambda: nanogpt_get_batch(path, n_tokens, gen),
+                    "gather": lambda: tf.gather(*next(it)),
+                    "loader": lambda: next(loader),
+                    "bound": raw_copy,
+                    "file_copy": raw_file_copy,
+                },
+                n_batches,
+                args.rounds,
+            )
 
+        with Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=2), max_prefetch=3) as busy:
+            waited = 0.0
+            n_busy = min(n_batches, 500)
+            for _ in range(n_busy):
+                time.sleep(0.002)
+                t0 = time.perf_counter()
+                next(busy)
+                waited += time.perf_counter() - t0
+            busy_rate = n_busy * B * T / waited
+
+    recipe, gather, loader_rate, bound = rates["recipe"], rates["gather"], rates["loader"], rates["bound"]
+    file_copy = rates["file_copy"]
     rows = [
         ("nanogpt recipe", recipe),
         ("tokbin gather (no thread)", gather),
         ("tokbin Loader (prefetch 3)", loader_rate),
+        ("Loader, busy consumer (context)", busy_rate),
         ("raw copy bound", bound),
         ("raw file copy (context)", file_copy),
     ]
     print(f"load average at the end (2 cores, shared): {os.getloadavg()[0]:.1f}")
-    print(f"token file: {n_tokens:,} tokens (uint16), written in {write_s:.1f} s; B={B}, T={T}, {n_batches} batches")
+    print(
+        f"token file: {n_tokens:,} tokens (uint16), written in {write_s:.1f} s; B={B}, T={T}, "
+        f"{args.rounds} interleaved rounds of {n_batches} batches"
+    )
     print(f"{'method':30} {'tokens/s':>14} {'batches/s':>10} {'vs recipe':>10} {'of bound':>9}")
     for name, rate in rows:
         print(f"{name:30} {rate:14,.0f} {rate / (B * T):10,.0f} {rate / recipe:9.2f}x {rate / bound:8.1%}")

@@ -167,3 +167,13 @@ def test_gather_shifts_targets_and_widens(tmp_path):
         assert y[r].tolist() == ids[s + 1 : s + 65].tolist()
     with pytest.raises(IndexError):
         tf.gather(np.array([5000 - 64]), 64)
+
+
+def test_pickle_reopens_by_path_instead_of_copying(tmp_path):
+    import pickle
+
+    tf = write_tokens(tmp_path / "p.bin", np.arange(100_000) % 1000, vocab_size=1000)
+    blob = pickle.dumps(tf)
+    assert len(blob) < 1000  # 100k tokens would be 200 KB if the memmap were pickled
+    again = pickle.loads(blob)
+    assert again.n_tokens == tf.n_tokens and np.array_equal(again.tokens[:10], tf.tokens[:10])

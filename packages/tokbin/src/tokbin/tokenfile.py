@@ -96,6 +96,10 @@ class TokenFile:
     tokenizer_sha256 = property(lambda self: self.header.tokenizer_sha256)
     data_sha256 = property(lambda self: self.header.data_sha256)
 
+    def __reduce__(self):
+        # pickling an np.memmap would copy every token; a worker process reopens the file by path instead
+        return (TokenFile, (str(self.path),))
+
     def __len__(self) -> int:
         return self.n_tokens
 
