@@ -159,3 +159,14 @@ def test_bf16_autocast_forward_and_backward_run():
         out = model(ids, ids)
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
+
+
+def test_fixed_slopes_stay_exact_fp32_after_a_bf16_cast():
+    from alibi_kernels import alibi_slopes
+
+    model = tiny(n_head=12, d_model=192).to(torch.bfloat16)  # 2^(-8h/16), h odd, is not exact in bf16
+    assert not torch.equal(alibi_slopes(12).bfloat16().float(), alibi_slopes(12))
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert model(ids).logits.dtype == torch.bfloat16
+    for layer in model.layers:
+        assert torch.equal(layer.self_attn.head_slopes(), alibi_slopes(12))

@@ -93,7 +93,13 @@ class Attention(nn.Module):
 
     def head_slopes(self) -> Tensor:
         """The per-head ALiBi slopes (H,) in fp32, whatever dtype the module was cast to."""
-        return self.log_slopes.float().exp() if hasattr(self, "log_slopes") else self.slopes.float()
+        if hasattr(self, "log_slopes"):
+            return self.log_slopes.float().exp()
+        if self.slopes.dtype != torch.float32:
+            # model.to(bf16) (DeepSpeed bf16 does it) rounds buffers; 2^(-8h/n) loses ~0.4% in bf16, and the
+            # fp32 model that later loads the weights would then see different slopes. Restore exact values once.
+            self.slopes = alibi_slopes(self.n_head).to(self.slopes.device)
+        return self.slopes
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor) -> Tensor:
         return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend)
@@ -180,11 +186,14 @@ class GPT(nn.Module):
         """
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0):
-            raise ValueError(
-                f"input_ids hold ids in [{int(input_ids.min())}, {int(input_ids.max())}] but "
-                f"vocab_size={self.config.vocab_size}: the tokenizer and the model config disagree"
-            )
+        if input_ids.numel() and input_ids.device.type != "meta":
+            # Checked here because an out-of-range id on CUDA is an opaque device-side assert later.
+            low, high = (int(v) for v in torch.aminmax(input_ids))
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids hold ids in [{low}, {high}] but vocab_size={self.config.vocab_size}: "
+                    "the tokenizer and the model config disagree"
+                )
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)

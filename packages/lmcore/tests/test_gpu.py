@@ -1,0 +1,58 @@
+"""Checks that need CUDA (skipped here): the Triton attention path inside the model, and real allocations."""
+
+import pytest
+import torch
+
+from lmcore import GPT, KVCache, ModelConfig, estimate_memory, n_params
+
+pytestmark = pytest.mark.gpu
+
+
+def small_config(**overrides) -> ModelConfig:
+    return ModelConfig.from_preset("tiny", d_model=256, n_head=4, n_layer=2, **overrides)
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+def test_triton_backend_matches_torch_backend_in_the_model(n_kv_head):
+    torch.manual_seed(0)
+    torch_model = GPT(small_config(n_kv_head=n_kv_head, attention_backend="torch")).cuda()
+    triton_model = GPT(small_config(n_kv_head=n_kv_head, attention_backend="triton")).cuda()
+    triton_model.load_state_dict(torch_model.state_dict())
+    ids = torch.randint(0, 97, (2, 128), device="cuda")
+    losses = []
+    for model in (torch_model, triton_model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids[:, :-1], ids[:, 1:]).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+    g_torch = torch_model.layers[0].self_attn.q_proj.weight.grad.float()
+    g_triton = triton_model.layers[0].self_attn.q_proj.weight.grad.float()
+    assert (g_torch - g_triton).norm() / g_torch.norm() < 5e-2
+
+
+def test_cached_decoding_equals_full_recomputation_on_cuda():
+    torch.manual_seed(0)
+    model = GPT(small_config(n_kv_head=2)).cuda().eval()
+    ids = torch.randint(0, 97, (2, 80), device="cuda")
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = KVCache(model.config.n_layer)
+        steps = [model(ids[:, :70], kv_cache=cache).logits]
+        steps += [model(ids[:, t : t + 1], kv_cache=cache).logits for t in range(70, 80)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-3, atol=1e-3)
+
+
+def test_fp32_adam_model_states_are_16_bytes_per_parameter():
+    config = ModelConfig.from_preset("125m")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = GPT(config).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
+    model(ids, ids).loss.backward()
+    opt.step()
+    used = torch.cuda.memory_allocated() - base  # weights + grads + Adam m, v (activations are freed)
+    est = estimate_memory(config, 1, 128, "fp32")
+    assert used == pytest.approx(est.model_states, rel=0.05)
+    assert est.model_states == 16 * n_params(config)
