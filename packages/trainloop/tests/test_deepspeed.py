@@ -67,7 +67,8 @@ def test_zero2_two_ranks_match_single_process_and_resume(tmp_path):
     again = _records(resumed)
     assert [r["step"] for r in again] == list(range(1, 11))
     for a, b in zip(got[5:], again[5:], strict=True):
-        assert _close(a["loss"], b["loss"], 1e-6), (a["step"], a["loss"], b["loss"])
+        # Bit for bit here (deterministic 2-rank gloo reductions); the bound is 1e-6 relative.
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a["step"], a["loss"], b["loss"])
 
 
 @pytest.mark.slow

@@ -124,6 +124,8 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _handle_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means: stop now, without the final checkpoint
         self._stop_signal = signal.Signals(signum).name
 
     def _install_signals(self) -> dict[int, Any]:
