@@ -65,3 +65,18 @@ def test_console_script_exit_codes(tmp_path):
 def test_missing_file(tmp_path, cmd, capsys):
     assert main([cmd, str(tmp_path / "nope.bin")]) == 1
     assert "nope.bin: no such file" in capsys.readouterr().err
+
+
+def test_train_tokenizer_failure_is_one_line(tmp_path, corpus, capsys):
+    args = ["train-tokenizer", "--input", str(corpus), "--model-prefix", str(tmp_path / "big")]
+    assert main([*args, "--vocab-size", "100000", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "SentencePiece training failed" in err and "Vocabulary size too high" in err
+    assert not (tmp_path / "big.model").exists()
+
+
+def test_train_tokenizer_progress_bar(tmp_path, corpus, capsys):
+    from tokbin import train_tokenizer
+
+    model = train_tokenizer([corpus], tmp_path / "p", 300, progress=True)
+    assert model.is_file() and "train-tokenizer p:" in capsys.readouterr().err

@@ -67,6 +67,7 @@ def _run(args: argparse.Namespace) -> None:
             model_type=args.model_type,
             character_coverage=args.character_coverage,
             byte_fallback=args.byte_fallback,
+            progress=not args.quiet,
             **options,
         )
         print(model)

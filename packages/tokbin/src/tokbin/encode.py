@@ -143,8 +143,10 @@ def encode_files(
             bar.update(pending_bytes)
 
     try:
-        return write_tokens(
+        tf = write_tokens(
             output, docs(), vocab_size=sp.get_piece_size(), eos_id=eos_id, tokenizer_sha256=file_sha256(tokenizer)
         )
+        bar.update(total - bar.n)  # per-document byte shares are estimates; the whole input is done
+        return tf
     finally:
         bar.close()

@@ -40,6 +40,30 @@ def load_processor(tokenizer: str | os.PathLike | spm.SentencePieceProcessor) ->
     return sp
 
 
+def _run_with_elapsed_bar(fn, desc: str) -> None:
+    """Run ``fn`` in a thread while a tqdm bar ticks; SentencePiece's trainer releases the GIL, so the bar moves."""
+    import threading
+
+    from tqdm import tqdm
+
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller's thread below
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name="spm-train", daemon=True)
+    with tqdm(desc=desc, bar_format="{desc}: {elapsed} elapsed") as bar:
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.25)
+            bar.refresh()
+    if errors:
+        raise errors[0]
+
+
 def train_tokenizer(
     inputs: list[str | os.PathLike],
     model_prefix: str | os.PathLike,
@@ -48,14 +72,17 @@ def train_tokenizer(
     model_type: str = "bpe",
     character_coverage: float = 0.9995,
     byte_fallback: bool = False,
+    progress: bool = False,
     **spm_options: object,
 ) -> Path:
     """Train a SentencePiece model on text files and return the path of ``<model_prefix>.model``.
 
     ``spm_options`` go to ``SentencePieceTrainer.train`` unchanged (e.g. ``user_defined_symbols=["<|user|>"]``,
     ``input_sentence_size``, ``normalization_rule_name="identity"``, ``minloglevel=2``). ``num_threads`` defaults
-    to the number of CPUs. For byte-exact round trips (code, whitespace) combine ``byte_fallback=True`` with
-    ``normalization_rule_name="identity"``, ``add_dummy_prefix=False`` and ``remove_extra_whitespaces=False``.
+    to the number of CPUs. ``progress`` shows a tqdm elapsed-time bar (SentencePiece reports no fraction done)
+    and turns SentencePiece's own log down to warnings unless ``minloglevel`` is given. For byte-exact round
+    trips (code, whitespace) combine ``byte_fallback=True`` with ``normalization_rule_name="identity"``,
+    ``add_dummy_prefix=False`` and ``remove_extra_whitespaces=False``.
 
     Example::
 
@@ -77,8 +104,9 @@ def train_tokenizer(
     prefix = Path(model_prefix)
     if not prefix.parent.is_dir():
         raise TokenFileError(prefix, f"output directory {prefix.parent} does not exist")
-    options = {"num_threads": os.cpu_count() or 1, **spm_options}
-    try:
+    options = {"num_threads": os.cpu_count() or 1, **({"minloglevel": 1} if progress else {}), **spm_options}
+
+    def run() -> None:
         spm.SentencePieceTrainer.train(
             input=[str(p) for p in inputs],
             model_prefix=str(prefix),
@@ -88,6 +116,12 @@ def train_tokenizer(
             byte_fallback=byte_fallback,
             **options,
         )
+
+    try:
+        if progress:
+            _run_with_elapsed_bar(run, f"train-tokenizer {prefix.name}")
+        else:
+            run()
     except (RuntimeError, OSError) as e:
         message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise TokenFileError(prefix, f"SentencePiece training failed: {message}") from None
