@@ -89,7 +89,7 @@ def test_zero_stages_0_1_3_and_bf16_two_ranks(tmp_path):
 def test_writeup_ds_config_accepted_as_is(tmp_path):
     # 128 = micro_batch 32 x grad_accum 4 x 1 rank; offload_optimizer to pinned CPU memory, overlap_comm, AdamW.
     args = {"run_dir": str(tmp_path), "engine": "deepspeed", "max_steps": 2, "grad_accum": 4, "global_batch": 128,
-            "precision": "bf16", "ds_config": WRITEUP_DS_CONFIG}  # fmt: skip
+            "precision": "bf16", "ds_config": WRITEUP_DS_CONFIG, "tied": True}  # fmt: skip
     proc = run("train_tiny.py", args)
     summary = tagged(proc, "SUMMARY")
     assert summary["step"] == 2 and summary["tokens_seen"] == 2 * 128 * 8
@@ -97,7 +97,11 @@ def test_writeup_ds_config_accepted_as_is(tmp_path):
     ckpt = latest_checkpoint(tmp_path)
     assert (ckpt / "deepspeed" / "state").is_dir()
     weights = load_model_weights(ckpt)
-    assert TinyLM().load_state_dict(weights) is not None
+    assert weights["head.weight"].dtype == torch.float32 and torch.equal(
+        weights["head.weight"], weights["embed.weight"]
+    )
+    assert weights["position_ids"].dtype == torch.int64 and "scratch" not in weights
+    TinyLM(tied=True).load_state_dict(weights)  # strict: every key present, none extra
 
 
 def test_ds_config_is_reconciled_with_clear_errors():

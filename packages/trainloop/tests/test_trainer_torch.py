@@ -40,6 +40,9 @@ def test_loss_falls_and_summary(tmp_path):
     weights = load_model_weights(ckpt)
     for k, v in model.state_dict().items():
         assert torch.equal(weights[k], v), k
+    tied = TinyLM(tied=True)
+    Trainer(tied, _cfg(max_steps=1), SeqData(4), run_dir=tmp_path / "tied").fit()
+    TinyLM(tied=True).load_state_dict(load_model_weights(latest_checkpoint(tmp_path / "tied")))
     png = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "m.png")
     assert png.stat().st_size > 1000
 
@@ -159,3 +162,19 @@ def test_bad_model_output_and_arguments(tmp_path):
         Trainer(TinyLM(), _cfg(), SeqData(4), run_dir=tmp_path, ds_config={})
     with pytest.raises(TypeError, match="eval_data must be a zero-argument callable"):
         Trainer(TinyLM(), _cfg(), SeqData(4), run_dir=tmp_path, eval_data=eval_batches())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_torch_engine(tmp_path, precision):
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=8, precision=precision, scaler_init_scale=2.0**10, scaler_growth_factor=1.001)
+    out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path).fit()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert out["total_skips"] == 0 and recs[-1]["loss"] < recs[0]["loss"]
+    if precision == "fp16":
+        # GradScaler with the write-up's growth factor: settable, logged, and saved for resume.
+        assert recs[0]["loss_scale"] == 2.0**10
+        state = torch.load(latest_checkpoint(tmp_path) / "trainer.pt", weights_only=False)
+        assert state["scaler"]["growth_factor"] == 1.001
+    else:
+        assert "loss_scale" not in recs[0]

@@ -9,12 +9,17 @@ VOCAB = 32
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = 16) -> None:
+    def __init__(self, vocab: int = VOCAB, d: int = 16, tied: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.o_proj = nn.Linear(d, d)
         self.norm_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            # Like GPT-2: one matrix under two state_dict names; plus buffers of both kinds a real model carries.
+            self.head.weight = self.embed.weight
+            self.register_buffer("position_ids", torch.arange(8), persistent=True)
+            self.register_buffer("scratch", torch.zeros(3), persistent=False)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(inputs)  # (B, T, d)

@@ -135,8 +135,13 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
 
 
 def save_model_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """Consolidated fp32 weights; clones break tied storage, which safetensors refuses to write."""
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in state.items()}, str(path))
+    """Consolidated weights, floating tensors in fp32 (integer buffers keep their dtype); clones break tied
+    storage, which safetensors refuses to write."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().to("cpu")
+        out[k] = (v.float() if v.is_floating_point() else v).contiguous().clone()
+    save_file(out, str(path))
 
 
 def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

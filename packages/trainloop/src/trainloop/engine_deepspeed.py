@@ -153,15 +153,20 @@ class DeepSpeedEngine:
         return loss_of(self.engine(inputs, targets))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights gathered on every rank (a collective); module weights where no master exists."""
+        """The module's state_dict keys (tied weights under each name, persistent buffers only) with fp32 master
+        weights gathered on every rank (a collective: same order everywhere)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
+        gathered: dict[int, torch.Tensor] = {}
         state = {}
-        for name, p in self.module.named_parameters():
-            full = safe_get_full_fp32_param(p)
-            state[name] = (full if full is not None else p.detach()).float().cpu()
-        for name, b in self.module.named_buffers():
-            state[name] = b.detach().float().cpu()
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.nn.Parameter):
+                if id(t) not in gathered:
+                    full = safe_get_full_fp32_param(t)
+                    gathered[id(t)] = (full if full is not None else t.detach()).float().cpu()
+                state[name] = gathered[id(t)]
+            else:
+                state[name] = t.detach().cpu()
         return state
 
     def save(self, ckpt_dir: Path, client_state: dict[str, Any], rank: int) -> None:

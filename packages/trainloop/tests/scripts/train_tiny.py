@@ -21,6 +21,7 @@ def main() -> None:
     global_batch = args.pop("global_batch", 8)
     hook = args.pop("slow_save_at", None)
     args_hang = args.pop("hang_rank_at", None)
+    tied = args.pop("tied", False)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -46,7 +47,7 @@ def main() -> None:
         et.save_model_weights = slow
     hang = args_hang
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(tied=tied)
     if hang is not None and rank == hang[0]:
         import time
 
