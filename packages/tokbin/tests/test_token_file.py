@@ -38,6 +38,8 @@ def test_uint16_boundary_and_uint32_path(tmp_path):
     np.testing.assert_array_equal(tf32.tokens, ids)  # 65536 did not wrap to 0
     tf32.verify()
     assert tf32.window(2, 2).dtype == torch.uint32
+    x, y = tf32.gather(np.array([0]), 3)
+    assert x.tolist() == [[0, 65535, 65536]] and y.tolist() == [[65535, 65536, 99_999]]
 
 
 @pytest.mark.parametrize("bad", [65536, -1])
