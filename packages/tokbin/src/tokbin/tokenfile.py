@@ -175,9 +175,10 @@ class TokenFile:
         starts = np.asarray(starts, dtype=np.int64)
         if starts.ndim != 1 or seq_len < 1:
             raise ValueError(f"gather: expected 1-D starts and seq_len >= 1, got shape {starts.shape}, {seq_len}")
-        if starts.size and (starts.min() < 0 or starts.max() + seq_len + 1 > self.n_tokens):
+        lo, hi = (int(starts.min()), int(starts.max())) if starts.size else (0, 0)
+        if lo < 0 or hi + seq_len + 1 > self.n_tokens:
             raise IndexError(
-                f"gather: windows of {seq_len + 1} tokens at starts in [{starts.min()}, {starts.max()}] "
+                f"gather: windows of {seq_len + 1} tokens at starts {lo}..{hi} "
                 f"exceed the {self.n_tokens} tokens of {self.path}"
             )
         rows = self._windows(seq_len + 1)[starts]  # (B, T+1) in the file dtype: the only read from the memmap
