@@ -60,7 +60,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="bound on training wall-clock; ends with a final checkpoint and evaluation",
     )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
-    p.add_argument("--gpumon", action="store_true", help="record GPU (or host) metrics into RUN_DIR/gpumon.jsonl")
+    p.add_argument(
+        "--gpumon", action="store_true", help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.csv"
+    )
     p.add_argument(
         "--set",
         dest="overrides",

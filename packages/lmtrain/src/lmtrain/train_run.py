@@ -147,7 +147,11 @@ def run_train(args: argparse.Namespace) -> int:
         left = args.time_budget - (time.perf_counter() - t_start)
         steps = max(1, int(left * speed * BUDGET_SAFETY))
         warmup = min(train_cfg.warmup_steps, steps // 5)
-        train_cfg = dataclasses.replace(train_cfg, max_steps=steps, t_max=steps, warmup_steps=warmup)
+        # A short budget still logs about 20 points for the curve.
+        log_every = max(1, min(train_cfg.log_every, steps // 20))
+        train_cfg = dataclasses.replace(
+            train_cfg, max_steps=steps, t_max=steps, warmup_steps=warmup, log_every=log_every
+        )
         calibrated = {"steps_per_s": speed, "max_steps": steps}
     if args.time_budget is not None:
         # The budget counts from the command's start: calibration and set-up are part of it.
@@ -216,6 +220,7 @@ def run_train(args: argparse.Namespace) -> int:
         loader.close()
         if monitor is not None:
             monitor.__exit__(None, None, None)
+            print(f"gpumon ({run_dir / 'gpumon.csv'}):\n{monitor.summary()}", flush=True)
     if rank == 0:
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file() and metrics.stat().st_size:
@@ -230,7 +235,8 @@ def run_train(args: argparse.Namespace) -> int:
 def _start_monitor(run_dir: Path) -> Any:
     import gpumon
 
-    monitor = gpumon.Monitor(out=run_dir / "gpumon.jsonl")
+    # GPUs through NVML where there is a driver, else the host (CPU, RSS) with gpumon's one-line warning.
+    monitor = gpumon.Monitor(rate_hz=100, out=run_dir / "gpumon.csv", backend="auto")
     monitor.__enter__()
     return monitor
 

@@ -1,0 +1,34 @@
+"""`lmtrain demo` with a short budget, and `lmtrain doctor` on this GPU-less machine."""
+
+from __future__ import annotations
+
+from conftest import run_lmtrain
+
+
+def test_demo_short_budget(tmp_path):
+    out = tmp_path / "demo"
+    result = run_lmtrain("demo", "--time-budget", "15", "--out", str(out), timeout=600)
+    text = result.stdout
+    for stage in ("[1/5] corpus", "[2/5] prepare", "[3/5] train", "[4/5] eval", "[5/5] sample"):
+        assert stage in text, text[-3000:]
+    assert "bits per byte" in text
+    assert (out / "run" / "loss.png").stat().st_size > 1000
+    assert (out / "data" / "meta.json").is_file()
+    assert list((out / "run" / "checkpoints").glob("step_*")), "the budget's end writes a checkpoint"
+
+
+def test_doctor_warns_without_gpu_and_exits_cleanly(prepared):
+    result = run_lmtrain("doctor", "--preset", "cpu-small", "--data", str(prepared), check=False)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, result.stdout + result.stderr
+    gpu = [ln for ln in lines if ln.split()[1:2] == ["gpus"]]
+    assert gpu and gpu[0].startswith("WARN"), result.stdout
+    assert any(ln.startswith("OK") and "data/train" in ln for ln in lines), result.stdout
+    assert not any(ln.startswith("FAIL") for ln in lines), result.stdout
+    assert "0 FAIL" in lines[-1]
+
+
+def test_doctor_fails_on_disabled_async_error_handling():
+    result = run_lmtrain("doctor", check=False, NCCL_ASYNC_ERROR_HANDLING="0")
+    assert result.returncode == 1
+    assert any(ln.startswith("FAIL") and "async" in ln for ln in result.stdout.splitlines()), result.stdout

@@ -1,0 +1,114 @@
+"""Multi-process training: 2 ranks with DeepSpeed ZeRO-2 (gloo, bf16), and two 'nodes' on one machine."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import child_env, read_metrics, run_lmtrain
+
+pytest.importorskip("deepspeed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def test_two_ranks_deepspeed_zero2_bf16(prepared, shakespeare_texts, tmp_path):
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True},
+    }))  # fmt: skip
+    run = tmp_path / "run"
+    cmd = torchrun(
+        "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "-m", "lmtrain", "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny",
+        "--deepspeed", str(ds_config), "--max-steps", "12", "--set", "precision=bf16", "--set", "log_every=2",
+        "--set", "lr=0.01", "--set", "micro_batch=4",
+    )  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12]
+    assert records[-1]["loss"] < records[0]["loss"]
+    run_info = json.loads((run / "run.json").read_text())
+    assert run_info["world_size"] == 2 and run_info["train_config"]["engine"] == "deepspeed"
+    # The consolidated checkpoint loads in one process: evaluate it.
+    _, val = shakespeare_texts
+    ev = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32")
+    assert json.loads(ev.stdout.strip().splitlines()[-1])["tokens"] > 0
+
+
+def test_lost_node_fails_the_other_with_a_clear_error(prepared, tmp_path):
+    port = free_port()
+    run = tmp_path / "run"
+    timeout_s = 30
+
+    def node(name: str) -> subprocess.Popen:
+        cmd = torchrun(
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lost-node", "--max-restarts", "0",
+            "-m", "lmtrain", "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny",
+            "--max-steps", "100000", "--set", "log_every=1", "--set", f"dist_timeout_s={timeout_s}",
+        )  # fmt: skip
+        log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+
+    first = node("first")
+    time.sleep(2)  # the first agent hosts the rendezvous store; the second node is the one that dies
+    second = node("second")
+    try:
+        deadline = time.monotonic() + 300
+        while not any(r.get("step", 0) >= 3 for r in read_metrics(run)):
+            assert first.poll() is None and second.poll() is None, "a node exited before training: " + _logs(tmp_path)
+            assert time.monotonic() < deadline, "the two nodes did not start training: " + _logs(tmp_path)
+            time.sleep(0.5)
+        kill_tree(second.pid)
+        killed_at = time.monotonic()
+        # The survivor's next collective fails (connection closed) or times out after dist_timeout_s.
+        first.wait(timeout=timeout_s + 90)
+        waited = time.monotonic() - killed_at
+    finally:
+        for proc in (first, second):
+            kill_tree(proc.pid)
+            proc.wait()
+    log = (tmp_path / "first.log").read_text()
+    assert first.returncode != 0, log[-3000:]
+    assert "lost contact with the other ranks" in log, log[-3000:]
+    assert "--resume" in log
+    assert waited < timeout_s + 90
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a torchrun agent and every process under it, as a node that loses power would.
+
+    torchrun starts each worker in a session of its own, so killing the agent's process group would leave the
+    workers running (and the job healthy).
+    """
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+
+
+def _logs(tmp_path: Path) -> str:
+    return "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))

@@ -1,0 +1,86 @@
+"""prepare -> train -> eval -> generate on a TinyShakespeare slice at the tiny size, through the installed CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import read_metrics, run_lmtrain
+
+
+def test_prepare_writes_meta_with_counts(prepared, shakespeare_texts):
+    meta = json.loads((prepared / "meta.json").read_text())
+    train, val = shakespeare_texts
+    assert meta["vocab_size"] == 512
+    assert meta["train"]["bytes"] == train.stat().st_size
+    assert meta["val"]["bytes"] == val.stat().st_size
+    for split in ("train", "val"):
+        info = meta[split]
+        assert info["tokens"] > 0
+        assert math.isclose(info["bytes_per_token"], info["bytes"] / info["tokens"])
+        assert (prepared / info["file"]).is_file()
+    # BPE on English packs more than one byte into a token.
+    assert 1.5 < meta["train"]["bytes_per_token"] < 5
+
+
+def test_train_eval_generate(prepared, shakespeare_texts, tmp_path):
+    _, val = shakespeare_texts
+    run = tmp_path / "run"
+    run_lmtrain(
+        "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--max-steps", "60",
+        "--set", "log_every=10", "--set", "lr=0.01", "--set", "save_every=30",
+    )  # fmt: skip
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(r)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3, "the loss should fall"
+    assert (run / "loss.png").stat().st_size > 1000
+    assert (run / "tokenizer.model").is_file()
+
+    result = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32", "--stride", "16")
+    ev = json.loads(result.stdout.strip().splitlines()[-1])
+    text = val.read_text(encoding="utf-8")
+    assert ev["bytes"] == len(text.encode("utf-8"))
+    assert ev["words"] == len(text.split()) + text.count("\n")
+    assert ev["lossless_encoding"] is True
+    total_nats = ev["loss"] * ev["tokens"]
+    assert math.isclose(ev["bits_per_byte"], total_nats / math.log(2) / ev["bytes"], rel_tol=1e-9)
+    assert math.isclose(ev["token_ppl"], math.exp(ev["loss"]), rel_tol=1e-9)
+    assert math.isclose(ev["word_ppl"], math.exp(total_nats / ev["words"]), rel_tol=1e-9)
+    # Trained, it beats a uniform guess over the vocabulary by a clear margin.
+    assert ev["loss"] < math.log(512) - 1.0
+
+    # Protocol: repeats agree on CPU; seeds shift the window grid, so they differ a little.
+    result = run_lmtrain(
+        "eval", "--run", str(run), "--text", str(val), "--json", "--context", "32", "--stride", "16",
+        "--repeat", "2", "--seeds", "1", "2",
+    )  # fmt: skip
+    proto = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(proto["runs"]) == 4
+    assert proto["runs"][0]["loss"] == proto["runs"][1]["loss"]
+    assert proto["loss_std"] >= 0 and abs(proto["loss"] - ev["loss"]) < 0.1
+
+    out = run_lmtrain("generate", "--run", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "0")
+    assert out.stdout.startswith("ROMEO:")
+    assert len(out.stdout.strip()) > len("ROMEO:")
+    again = run_lmtrain("generate", "--run", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "0")
+    assert again.stdout == out.stdout, "the same seed must give the same sample"
+
+
+def test_set_rejects_unknown_field_with_near_match(prepared, tmp_path):
+    result = run_lmtrain(
+        "train", "--data", str(prepared), "--out", str(tmp_path / "r"), "--preset", "tiny", "--set", "log_evry=1",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "log_evry" in result.stderr and "log_every" in result.stderr
+
+
+def test_set_rejects_bad_value_naming_the_field(prepared, tmp_path):
+    result = run_lmtrain(
+        "train", "--data", str(prepared), "--out", str(tmp_path / "r"), "--preset", "tiny", "--set", "precision=fp8",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "precision" in result.stderr and "fp8" in result.stderr
