@@ -82,3 +82,19 @@ def test_detect_anomaly_names_the_operation(tmp_path):
     cfg = TrainConfig(max_steps=3, detect_anomaly=True, progress=False, tensorboard=False)
     with pytest.raises(RuntimeError, match="SqrtBackward"), pytest.warns(UserWarning):
         Trainer(SqrtNeg(), cfg, SeqData(4), run_dir=tmp_path).fit()
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_zero2_checkpoint_on_both_ranks(tmp_path):
+    # What a preempted `lmtrain train` under torchrun sees: torchrun forwards SIGTERM to every rank.
+    proc = _start({"run_dir": str(tmp_path), "engine": "deepspeed", "max_steps": 100000, "t_max": 1000}, nproc=2)
+    _wait_for(proc, "step 5 |")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[8:])
+    assert summary["stopped"] == "SIGTERM"
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt is not None and ckpt.name == f"step_{summary['step']:08d}"
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"rank0.pt", "rank1.pt", "model.safetensors"} <= set(files)
+    assert sum("optim_states" in f for f in files) == 2  # each rank's ZeRO-2 optimizer shard

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from trainloop.distributed import all_reduce_sum
 
 DEFAULT_GROUP = "default"
 
@@ -65,7 +66,11 @@ class ClipGroups:
             return out
         grads = [g for _, g in named_grads]
         norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        sq = torch.stack([n.detach().to("cpu", torch.float64) for n in norms]).pow(2)
+        devices = {n.device for n in norms}
+        if len(devices) == 1:  # one host transfer instead of one per tensor
+            sq = torch.stack(norms).detach().to("cpu", torch.float64).pow(2)
+        else:
+            sq = torch.stack([n.detach().to("cpu", torch.float64) for n in norms]).pow(2)
         index = torch.tensor([self.index_of[n] for n, _ in named_grads], dtype=torch.long)
         return out.index_add_(0, index, sq)
 
@@ -83,8 +88,8 @@ class ClipGroups:
         factor brings the scaled gradients to the unscaled threshold.
         """
         sq = self.sumsq(named_grads)
-        if all_reduce and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq)
+        if all_reduce:
+            sq = all_reduce_sum(sq)
         sq = sq / (unscale * unscale)
         norms = sq.sqrt().tolist()
         total = float(sq.sum().sqrt())

@@ -54,3 +54,15 @@ def _free_port() -> int:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a small host tensor over ranks (moved through the GPU when the backend is nccl, which has no CPU path)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    if dist.get_backend() == "nccl":
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu)
+        return on_gpu.cpu()
+    dist.all_reduce(t)
+    return t

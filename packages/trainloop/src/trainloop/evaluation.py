@@ -6,7 +6,8 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
+
+from trainloop.distributed import all_reduce_sum
 
 
 def evaluate(
@@ -42,8 +43,7 @@ def evaluate(
                 total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
     finally:
         module.train(was_training)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
+    total = all_reduce_sum(total)
     loss_sum, n = total.tolist()
     if n == 0:
         raise ValueError("eval_data yielded no scored tokens")

@@ -29,7 +29,7 @@ from trainloop.checkpoint import (
 )
 from trainloop.clipping import ClipGroups
 from trainloop.config import TrainConfig
-from trainloop.distributed import barrier, setup_distributed
+from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
 from trainloop.metrics_logging import MetricsLogger, detect_peak_tflops, flops_per_token, format_line, memory_bytes
@@ -137,8 +137,7 @@ class Trainer:
         """Mean loss over ranks and whether any rank wants to stop, in one small all-reduce."""
         if self.world_size == 1:
             return float(loss), stop
-        vec = torch.tensor([float(loss), 1.0 if stop else 0.0], dtype=torch.float64)
-        dist.all_reduce(vec)
+        vec = all_reduce_sum(torch.tensor([float(loss), 1.0 if stop else 0.0], dtype=torch.float64))
         return float(vec[0]) / self.world_size, bool(vec[1] > 0)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
@@ -186,7 +185,12 @@ class Trainer:
             )
         state = self.engine.load(ckpt)
         rank_file = ckpt / f"rank{self.rank}.pt"
-        per_rank = load_torch(rank_file if rank_file.exists() else ckpt / "rank0.pt")
+        if not rank_file.exists():
+            raise ValueError(
+                f"{ckpt} has no state for rank {self.rank}: it was written by {saved_world} rank(s), this run has "
+                f"{self.world_size}; resume with the same world size (load_model_weights() loads the model anywhere)"
+            )
+        per_rank = load_torch(rank_file)
         set_rng_state(per_rank["rng"])
         if per_rank["loader"] is not None and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(per_rank["loader"])
