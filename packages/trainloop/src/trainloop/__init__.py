@@ -9,9 +9,10 @@ from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
 from trainloop.config import TrainConfig, load_clip_groups
 from trainloop.ds_config import build_ds_config
 from trainloop.evaluation import evaluate
+from trainloop.faults import NonFiniteLossError
 from trainloop.plotting import plot_metrics
 from trainloop.schedules import lr_at
-from trainloop.trainer import NonFiniteLossError, Trainer
+from trainloop.trainer import Trainer
 from trainloop.version import __version__
 
 __all__ = [

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from trainloop.checkpoint import (
     begin_checkpoint,
@@ -32,24 +31,11 @@ from trainloop.config import TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
+from trainloop.faults import NonFiniteLossError, collective_failure
 from trainloop.metrics_logging import MetricsLogger, detect_peak_tflops, flops_per_token, format_line, memory_bytes
 from trainloop.schedules import lr_at
 
-
-class NonFiniteLossError(RuntimeError):
-    """Raised after ``max_consecutive_skips`` steps in a row had a non-finite loss or gradient norm."""
-
-
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        k in text for k in ("gloo", "connection closed", "connection reset", "timed out", "timeout", "nccl")
-    )
 
 
 class Trainer:
@@ -367,7 +353,7 @@ class Trainer:
                     summary["stopped"] = self._stop
                     break
         except Exception as exc:
-            if self.world_size > 1 and _collective_failure(exc):
+            if self.world_size > 1 and collective_failure(exc):
                 raise RuntimeError(
                     f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''}). Another rank most likely died or hung: read "
