@@ -14,6 +14,68 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from alibi_kernels.triton_forward import load_tile
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,  # (BLOCK_N, BLOCK_D) fp32 accumulator
+    dv,  # (BLOCK_N, BLOCK_D) fp32 accumulator
+    k,  # (BLOCK_N, BLOCK_D) key tile
+    v,  # (BLOCK_N, BLOCK_D) value tile
+    offs_n,  # (BLOCK_N,) key positions
+    offs_d,  # (BLOCK_D,) head-dim offsets
+    q_base,  # pointer to Q[b, h, 0, 0]
+    do_base,  # pointer to DO[b, h, 0, 0]
+    lse_base,  # pointer to Lse[b * Hq + h, 0]
+    delta_base,  # pointer to Delta[b * Hq + h, 0]
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    start,  # first query row of the range (a multiple of BLOCK_M)
+    stop,  # end of the range
+    offset,  # Tk - Tq: pos_i = i + offset
+    slope2,  # slope * log2(e)
+    qk_scale,  # softmax scale * log2(e)
+    Tq,
+    Tk,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,  # rows past Tq, keys past Tk or the causal diagonal may occur in this range
+    IS_CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_m in range(start, stop, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        do = load_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        if MASKED:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < Tq, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < Tq, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        pos_i = offs_m + offset
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        distance_t = (offs_n[:, None] - pos_i[None, :]).to(tl.float32)
+        p_t = tl.math.exp2(qk_t * qk_scale + slope2 * distance_t - lse[None, :])
+        if MASKED:
+            visible = (offs_n[:, None] < Tk) & (offs_m[None, :] < Tq)
+            if IS_CAUSAL:
+                visible = visible & (distance_t <= 0)
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
 
 @triton.jit
 def alibi_bwd_dkdv_kernel(
@@ -67,55 +129,117 @@ def alibi_bwd_dkdv_kernel(
     offset = Tk - Tq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b * stride_kb + hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)  # fmt: skip
-    v = tl.load(V + b * stride_vb + hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)  # fmt: skip
+    k = load_tile(
+        K + b * stride_kb + hkv * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Tk, True, HEAD_DIM, BLOCK_D
+    )
+    v = load_tile(
+        V + b * stride_vb + hkv * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Tk, True, HEAD_DIM, BLOCK_D
+    )
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Causal: only queries with pos_i >= start_n see these keys; start at the query block holding that row.
-    if IS_CAUSAL:  # noqa: SIM108 (a constexpr branch reads clearer than a ternary in a kernel)
+    # Query rows split in three ranges: [lo, a) masked (crosses the causal diagonal), [a, b) unmasked (every row
+    # sees every key of this block and lies before Tq), [b, Tq) masked (the tail). Causal: rows before
+    # start_n - offset see none of these keys and are skipped.
+    tq_ceil = tl.cdiv(Tq, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
         lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
+        # First row that sees the block's last key: start_n + BLOCK_N - 1 - offset, rounded up to a block.
+        a = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
+        a = tl.minimum(tl.maximum(a, lo), tq_ceil)
     else:
         lo = 0
+        a = 0
+    # A partial key block masks every tile (tl.where, not a runtime `if`, keeps `a` one type in compiled code).
+    a = tl.where(start_n + BLOCK_N > Tk, tq_ceil, a)
+    b_end = tl.maximum(a, (Tq // BLOCK_M) * BLOCK_M)
+
     for g in range(0, GROUP):
         h = hkv * GROUP + g
         bh = b * H + h
         slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        for start_m in range(lo, Tq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < Tq
-            q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(Lse + bh * Tq + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(Delta + bh * Tq + offs_m, mask=row_ok, other=0.0)
-            pos_i = offs_m + offset
-            qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-            distance_t = (offs_n[:, None] - pos_i[None, :]).to(tl.float32)
-            p_t = tl.math.exp2(qk_t * qk_scale + slope2 * distance_t - lse[None, :])
-            visible = (offs_n[:, None] < Tk) & row_ok[None, :]
-            if IS_CAUSAL:
-                visible = visible & (distance_t <= 0)
-            p_t = tl.where(visible, p_t, 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        lse_base = Lse + bh * Tq
+        delta_base = Delta + bh * Tq
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
+            stride_dod, lo, a, offset, slope2, qk_scale, Tq, Tk,
+            BLOCK_M, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
+            stride_dod, a, b_end, offset, slope2, qk_scale, Tq, Tk,
+            BLOCK_M, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
+            stride_dod, b_end, Tq, offset, slope2, qk_scale, Tq, Tk,
+            BLOCK_M, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     dk = dk * sm_scale
+    kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)
     out_off = bhkv.to(tl.int64) * Tk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(
+    dq,  # (BLOCK_M, BLOCK_D) fp32 accumulator
+    dslope,  # (BLOCK_M,) fp32 accumulator of sum_j dS_ij * (pos_j - pos_i)
+    q,  # (BLOCK_M, BLOCK_D) query tile
+    do,  # (BLOCK_M, BLOCK_D) output-gradient tile
+    lse,  # (BLOCK_M,) log2 units
+    delta,  # (BLOCK_M,)
+    offs_m,  # (BLOCK_M,) query rows
+    pos_i,  # (BLOCK_M,) query positions
+    offs_d,
+    k_base,  # pointer to K[b, hkv, 0, 0]
+    v_base,  # pointer to V[b, hkv, 0, 0]
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    start,  # first key of the range (a multiple of BLOCK_N)
+    stop,  # end of the range
+    slope2,
+    qk_scale,
+    Tq,
+    Tk,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    SLOPE_GRAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        distance = (offs_n[None, :] - pos_i[:, None]).to(tl.float32)
+        p = tl.math.exp2(qk * qk_scale + slope2 * distance - lse[:, None])
+        if MASKED:
+            visible = (offs_n[None, :] < Tk) & (offs_m[:, None] < Tq)
+            if IS_CAUSAL:
+                visible = visible & (distance <= 0)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if SLOPE_GRAD:
+            dslope += tl.sum(ds * distance, 1)
+    return dq, dslope
 
 
 @triton.jit
@@ -175,11 +299,9 @@ def alibi_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     pos_i = offs_m + offset
     row_ok = offs_m < Tq
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)  # fmt: skip
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=q_mask, other=0.0)  # fmt: skip
+    q = load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
+    do = load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod, Tq, True,
+                   HEAD_DIM, BLOCK_D)  # fmt: skip
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -191,31 +313,27 @@ def alibi_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if IS_CAUSAL:  # noqa: SIM108
+    # Key blocks every row of this block sees run unmasked; a partial row block (past Tq) masks everything, so
+    # padded rows cannot overflow exp2 with a large non-causal bias.
+    if IS_CAUSAL:
+        n_full = ((start_m + offset + 1) // BLOCK_N) * BLOCK_N
         hi = tl.minimum(Tk, start_m + BLOCK_M + offset)
     else:
+        n_full = (Tk // BLOCK_N) * BLOCK_N
         hi = Tk
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        distance = (offs_n[None, :] - pos_i[:, None]).to(tl.float32)
-        p = tl.math.exp2(qk * qk_scale + slope2 * distance - lse[:, None])
-        visible = (offs_n[None, :] < Tk) & row_ok[:, None]
-        if IS_CAUSAL:
-            visible = visible & (distance <= 0)
-        p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        if SLOPE_GRAD:
-            dslope += tl.sum(ds * distance, 1)
+    n_full = tl.where(start_m + BLOCK_M > Tq, 0, n_full)
+    dq, dslope = _dq_inner(
+        dq, dslope, q, do, lse, delta, offs_m, pos_i, offs_d, k_base, v_base, stride_kn, stride_kd, stride_vn,
+        stride_vd, 0, n_full, slope2, qk_scale, Tq, Tk,
+        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, SLOPE_GRAD, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    dq, dslope = _dq_inner(
+        dq, dslope, q, do, lse, delta, offs_m, pos_i, offs_d, k_base, v_base, stride_kn, stride_kd, stride_vn,
+        stride_vd, n_full, hi, slope2, qk_scale, Tq, Tk,
+        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, SLOPE_GRAD, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
     dq = dq * sm_scale
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     dq_off = bh * Tq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=q_mask)
     if SLOPE_GRAD:

@@ -15,6 +15,33 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_tile(
+    base,  # pointer to row 0, column 0 of the tile's matrix
+    offs_r,  # (R,) row indices
+    offs_d,  # (BLOCK_D,) head-dim indices
+    stride_r,  # stride between rows
+    stride_d,  # stride along the head dim
+    n_rows,  # rows at or past this index read as 0 (only with ROW_MASK)
+    ROW_MASK: tl.constexpr,  # the tile may cross the end of the rows
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Load an (R, BLOCK_D) tile; masks only what can be out of bounds, so full power-of-two tiles load unmasked."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :] * stride_d
+    if ROW_MASK:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:  # noqa: SIM108 (constexpr branches, kept parallel to the masked ones)
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
 def _fwd_inner(
     acc,  # (BLOCK_M, BLOCK_D) fp32 running numerator
     l_i,  # (BLOCK_M,) fp32 running denominator
@@ -35,6 +62,7 @@ def _fwd_inner(
     Tk,  # number of keys
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,  # apply the key-bound and causal masks (diagonal and tail blocks only)
     IS_CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (bf16 under the interpreter)
@@ -42,11 +70,8 @@ def _fwd_inner(
 ):
     for start_n in range(start, stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = offs_d[None, :] < HEAD_DIM
-        if MASKED:
-            kv_mask = kv_mask & (offs_n[:, None] < Tk)
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Tk, MASKED, HEAD_DIM, BLOCK_D)
+        v = load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, Tk, MASKED, HEAD_DIM, BLOCK_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -120,8 +145,7 @@ def alibi_fwd_kernel(
 
     slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
     q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < HEAD_DIM)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q = load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + b * stride_kb + hkv * stride_kh
@@ -140,12 +164,12 @@ def alibi_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, pos_i, offs_d,
         0, n_full, slope2, qk_scale, Tk,
-        BLOCK_N, HEAD_DIM, False, IS_CAUSAL, UPCAST, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, UPCAST, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd, pos_i, offs_d,
         n_full, hi, slope2, qk_scale, Tk,
-        BLOCK_N, HEAD_DIM, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
+        BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
     )  # fmt: skip
 
     acc = acc / l_i[:, None]
