@@ -144,3 +144,11 @@ def test_chunked_path_for_long_sequences_matches_reference(monkeypatch, causal):
     assert_fp32_close("out", out, ref_out)
     for name, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, ref_grads, strict=True):
         assert_fp32_close(name, g, r, rtol=FP32_GRAD_RTOL)
+
+
+def test_cpu_autocast_keeps_the_fp32_compute_path():
+    q, k, v, _, slopes = make_inputs(2, 4, 2, 33, 33, 32, dtype=torch.bfloat16, seed=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = alibi_attention(q, k, v, slopes, backend="torch")
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, alibi_attention(q, k, v, slopes, backend="torch"))

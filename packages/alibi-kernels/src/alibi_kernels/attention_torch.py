@@ -7,6 +7,7 @@ q (B, Hq, Tq, D) -> (B, Hkv, G * Tq, D), so each k/v head is attended by its G q
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 
@@ -108,7 +109,9 @@ def _attend(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     """SDPA of q rows (B, Hq, R, D) against k/v (B, Hkv, K, D) with bias (S, Hkv, G*R, K) -> (B, Hq, R, D)."""
     b, hq, r, d = q_rows.shape
     q_folded = q_rows.reshape(b, shape.kv_heads, shape.group * r, d)  # (B, Hkv, G*R, D)
-    out = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=bias, scale=scale)
+    # CPU autocast would cast the fp32 compute copies back to bf16; the compute dtype was chosen on purpose.
+    with torch.autocast("cpu", enabled=False) if q_rows.device.type == "cpu" else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=bias, scale=scale)
     return out.reshape(b, hq, r, d)
 
 
