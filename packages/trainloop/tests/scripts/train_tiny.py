@@ -21,7 +21,7 @@ def main() -> None:
     global_batch = args.pop("global_batch", 8)
     hook = args.pop("slow_save_at", None)
     args_hang = args.pop("hang_rank_at", None)
-    tied = args.pop("tied", False)
+    args_nan = args.pop("nan_at", None)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -47,7 +47,7 @@ def main() -> None:
         et.save_model_weights = slow
     hang = args_hang
     torch.manual_seed(0)
-    model = TinyLM(tied=tied)
+    model = TinyLM()
     if hang is not None and rank == hang[0]:
         import time
 
@@ -65,6 +65,18 @@ def main() -> None:
             return real_forward(inputs, targets)
 
         model.forward = forward
+    nan_at = args_nan
+    if nan_at is not None and rank == nan_at[0]:
+        plain_forward = model.forward
+        seen = {"n": 0}
+
+        def nan_forward(inputs, targets):
+            seen["n"] += 1
+            loss = plain_forward(inputs, targets)
+            in_step = (nan_at[1] - 1) * cfg.grad_accum < seen["n"] <= nan_at[1] * cfg.grad_accum
+            return loss * float("nan") if in_step else loss
+
+        model.forward = nan_forward
     data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
     trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
     out = trainer.fit(resume=resume)
