@@ -178,3 +178,29 @@ def test_mixed_precision_torch_engine(tmp_path, precision):
         assert state["scaler"]["growth_factor"] == 1.001
     else:
         assert "loss_scale" not in recs[0]
+
+
+def test_mfu_uses_the_models_flops_and_the_stated_peak(tmp_path):
+    class Counted(TinyLM):
+        flops_per_token = 2.5e6  # as a model with PaLM's 6N + 12LHQT would expose it
+
+    torch.manual_seed(0)
+    trainer = Trainer(Counted(), _cfg(max_steps=3, peak_tflops=1.0), SeqData(4), run_dir=tmp_path)
+    assert trainer.flops_source == "model.flops_per_token"
+    trainer.fit()
+    for rec in (json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()):
+        assert rec["peak_tflops"] == 1.0
+        assert rec["mfu"] == pytest.approx(rec["tokens_per_s"] * 2.5e6 / 1e12, rel=1e-12)
+    plain = Trainer(TinyLM(), _cfg(max_steps=1), SeqData(4), run_dir=tmp_path / "plain")
+    assert plain.flops_per_token == 6 * sum(p.numel() for p in TinyLM().parameters())
+    assert plain.peak_tflops is None  # CPU: no peak known, so no MFU is claimed
+
+
+def test_progress_bar_and_log_lines(tmp_path, capsys):
+    torch.manual_seed(0)
+    Trainer(TinyLM(), _cfg(max_steps=4, log_every=2, progress=True), SeqData(4), run_dir=tmp_path).fit()
+    captured = capsys.readouterr()
+    assert "train" in captured.err  # tqdm writes its bar to stderr
+    lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(" |")[0] for ln in lines] == ["step 2", "step 4"]
+    assert all("lr " in ln and "gnorm " in ln and "tok/s " in ln and "mem " in ln for ln in lines)
