@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from trainloop.checkpoint import (
     begin_checkpoint,
@@ -158,6 +159,15 @@ class Trainer:
         self._say(f"saved checkpoint {final}")
         return final
 
+    def _find_resumable(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """Rank 0 verifies the checkpoints (hashing is costly) and every rank loads its choice."""
+        found = find_resumable(self.run_dir) if self.is_main else None
+        if self.world_size > 1:
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        return found
+
     def load_checkpoint(self, ckpt: Path) -> None:
         """Restore everything a checkpoint holds; tensors land on this rank's device."""
         manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -280,7 +290,7 @@ class Trainer:
         self._t_start = time.perf_counter()
         resume_step = None
         if resume:
-            ckpt, self.skipped_checkpoints = find_resumable(self.run_dir)
+            ckpt, self.skipped_checkpoints = self._find_resumable()
             for path, reason in self.skipped_checkpoints:
                 self._say(f"skipping incomplete checkpoint {path.name}: {reason}")
             if ckpt is not None:
