@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def test_zero2_two_ranks_match_single_process_and_resume(tmp_path):
 @pytest.mark.slow
 def test_zero_stages_0_1_3_bf16_and_writeup_config_two_ranks(tmp_path):
     ref, _ = _reference(tmp_path / "ref", 4)
-    cases = [{"stage": s, "precision": "fp32"} for s in (0, 1, 3)] + [{"stage": 2, "precision": "bf16"}]
+    cases = [{"stage": s, "precision": "fp32"} for s in (0, 1, 3)]
+    cases.append({"stage": 2, "precision": "bf16", "inspect_steps": [2]})
     # The write-up's config as is: 128 = micro_batch 16 x grad_accum 4 x 2 ranks; optimizer offloaded to pinned CPU
     # memory, overlap_comm, contiguous_gradients, an AdamW block (replaced by the loop's AdamW).
     cases.append({"name": "writeup", "stage": 2, "precision": "bf16", "ds_config": WRITEUP_DS_CONFIG,
@@ -87,6 +89,11 @@ def test_zero_stages_0_1_3_bf16_and_writeup_config_two_ranks(tmp_path):
         assert all(_close(a, b, 1e-5) for a, b in zip(ref_norm, out[name]["norms"], strict=True)), (name, out[name])
     # bf16 weights and activations: stated tolerance 1e-2 relative over 4 steps.
     assert all(_close(a, b, 1e-2) for a, b in zip(ref_loss, out["2_bf16"]["loss"], strict=True)), out["2_bf16"]
+
+    # The gradient inspector gathers full gradients from the ZeRO-2 partitions: they add up to the logged norm.
+    rows = (Path(out["2_bf16"]["run_dir"]) / "inspect" / "grads_step2.tsv").read_text().splitlines()[1:]
+    total = sum(float(r.split("\t")[3]) ** 2 for r in rows) ** 0.5
+    assert len(rows) == 6 and _close(total, out["2_bf16"]["norms"][1], 1e-4), (total, out["2_bf16"]["norms"])
 
     writeup = out["writeup"]
     assert len(writeup["loss"]) == 4 and writeup["loss"][-1] < writeup["loss"][0]

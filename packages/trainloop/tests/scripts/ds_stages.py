@@ -25,7 +25,8 @@ def main() -> None:
         micro = case.get("global_batch", 8) // world // accum
         cfg = TrainConfig(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=args["steps"], micro_batch=micro,
                           grad_accum=accum, log_every=1, progress=False, tensorboard=False, engine="deepspeed",
-                          precision=case["precision"], clip_groups=clip, save_every=args["steps"])  # fmt: skip
+                          precision=case["precision"], clip_groups=clip, save_every=args["steps"],
+                          inspect_steps=case.get("inspect_steps", []))  # fmt: skip
         torch.manual_seed(0)
         run_dir = Path(args["run_dir"]) / name
         ds = case.get("ds_config", {"zero_optimization": {"stage": case["stage"]}})
