@@ -150,9 +150,32 @@ def _gpu_methods(q, k, v, slopes):
     return methods
 
 
-def run_gpu(quick: bool) -> None:
+def _measure_gpu(setup, do):
+    """(output as fp32, forward ms, forward+backward ms, peak GiB) of one method."""
     from triton.testing import do_bench
 
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    fn, leaves = setup()
+    persistent = torch.cuda.memory_allocated() - before  # e.g. the SDPA float mask
+    fn().backward(do)  # warm-up: compilation and autotuning stay out of the peak
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    out = fn()
+    out.backward(do)
+    torch.cuda.synchronize()
+    peak = (persistent + torch.cuda.max_memory_allocated() - start) / 2**30
+    with torch.no_grad():
+        fwd_ms = do_bench(fn, warmup=25, rep=100)
+    fb_ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=list(leaves))
+    return out.detach().float(), fwd_ms, fb_ms, peak
+
+
+def run_gpu(quick: bool) -> None:
     ts = [512, 2048] if quick else [512, 1024, 2048, 4096, 8192]
     ds = [128] if quick else [64, 128]
     print(f"GPU {torch.cuda.get_device_name()}, bf16, causal, B={GPU_B} H={GPU_H}, torch {torch.__version__}")
@@ -173,29 +196,17 @@ def run_gpu(quick: bool) -> None:
             fwd_flops, fb_flops = causal_flops(GPU_B, GPU_H, t, d)
             rows, baseline_out = {}, None
             for name, setup in _gpu_methods(q, k, v, slopes).items():
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                before = torch.cuda.memory_allocated()
-                fn, leaves = setup()
-                persistent = torch.cuda.memory_allocated() - before  # e.g. the SDPA float mask
-                fn().backward(do)  # warm-up: compilation and autotuning stay out of the peak
-                for leaf in leaves:
-                    leaf.grad = None
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                start = torch.cuda.memory_allocated()
-                out = fn()
-                out.backward(do)
-                torch.cuda.synchronize()
-                peak = (persistent + torch.cuda.max_memory_allocated() - start) / 2**30
-                with torch.no_grad():
-                    fwd_ms = do_bench(fn, warmup=25, rep=100)
-                fb_ms = do_bench(lambda fn=fn, do=do: fn().backward(do), warmup=25, rep=100, grad_to_none=list(leaves))
+                try:
+                    result = _measure_gpu(setup, do)
+                except Exception as exc:  # one failing baseline (OOM, compile error) must not hide the others
+                    print(f"{d:>4} {t:>5} | {name:<14} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                    torch.cuda.empty_cache()
+                    continue
+                out, fwd_ms, fb_ms, peak = result
                 if baseline_out is None:
-                    baseline_out = out.detach().float()
-                diff = (out.detach().float() - baseline_out).abs().max().item()
+                    baseline_out = out
+                diff = (out - baseline_out).abs().max().item()
                 rows[name] = (fwd_flops / fwd_ms / 1e9, fb_flops / fb_ms / 1e9, peak, diff)
-                del fn, leaves, out
             flex_fb = rows.get("flex-attention", (None, None))[1]
             for name, (fwd_tf, fb_tf, peak, diff) in rows.items():
                 vs = f"{fb_tf / flex_fb:>10.2f}x" if flex_fb else f"{'n/a':>11}"

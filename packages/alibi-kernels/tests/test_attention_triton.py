@@ -95,3 +95,20 @@ def test_triton_rejects_float64():
     q, k, v, _, _ = make_inputs(1, 1, 1, 4, 4, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="float64"):
         alibi_attention(q, k, v, backend="triton")
+
+
+@pytest.mark.parametrize("block_d", [16, 32, 64, 128, 256])
+def test_gpu_launch_options_without_autotuning(monkeypatch, block_d):
+    """ALIBI_KERNELS_AUTOTUNE=0 on CUDA launches the first config; fp32 gets smaller key tiles and fewer stages."""
+    import alibi_kernels.attention_triton as at
+
+    monkeypatch.setattr(at, "INTERPRETED", False)
+    monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", "1")
+    assert at._launch_options("fwd", block_d, torch.float16) == {}  # the autotuner picks
+    monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", "0")
+    for name in ("fwd", "dkdv", "dq"):
+        half = at._launch_options(name, block_d, torch.bfloat16)
+        full = at._launch_options(name, block_d, torch.float32)
+        assert half["BLOCK_M"] >= 32 and half["BLOCK_N"] >= 32  # the dslope buffer assumes BLOCK_M >= 32
+        assert full["BLOCK_N"] <= 32 and full["num_stages"] <= 2
+    assert at._t_bucket(1, 512) == 512 and at._t_bucket(513, 513) == 2048 and at._t_bucket(1, 4096) == 8192
