@@ -52,6 +52,17 @@ def memory_bytes(device: torch.device) -> tuple[int, str]:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "max_rss"
 
 
+def add_throughput(
+    record: dict[str, Any], tokens_per_s: float, device: torch.device, flops: float, peak: float | None, world: int
+) -> None:
+    """Add tokens/s, memory and (when the peak is known) MFU = tokens/s x FLOPs/token / (peak x ranks)."""
+    mem, kind = memory_bytes(device)
+    record.update(tokens_per_s=tokens_per_s, memory_bytes=mem, memory_kind=kind)
+    if peak:
+        record["mfu"] = tokens_per_s * flops / (peak * 1e12 * world)
+        record["peak_tflops"] = peak
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (and TensorBoard scalars) on rank 0; other ranks log nothing."""
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -32,8 +30,14 @@ from trainloop.config import TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
-from trainloop.faults import NonFiniteLossError, collective_failure
-from trainloop.metrics_logging import MetricsLogger, detect_peak_tflops, flops_per_token, format_line, memory_bytes
+from trainloop.faults import NonFiniteLossError, StopSignals, collective_failure
+from trainloop.metrics_logging import (
+    MetricsLogger,
+    add_throughput,
+    detect_peak_tflops,
+    flops_per_token,
+    format_line,
+)
 from trainloop.schedules import lr_at
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -96,8 +100,9 @@ class Trainer:
         self.consecutive_skips = 0
         self.total_skips = 0
         self.skipped_checkpoints: list[tuple[Path, str]] = []
-        self._stop_signal: str | None = None
+        self._signals = StopSignals()
         self._last_saved_step: int | None = None
+        self._batch_checked = False
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _say(self, msg: str) -> None:
@@ -109,16 +114,6 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
-
-    def _handle_signal(self, signum: int, frame: Any) -> None:
-        if self._stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means: stop now, without the final checkpoint
-        self._stop_signal = signal.Signals(signum).name
-
-    def _install_signals(self) -> dict[int, Any]:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {s: signal.signal(s, self._handle_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
         """Mean loss over ranks and whether any rank wants to stop, in one small all-reduce."""
@@ -236,6 +231,13 @@ class Trainer:
                     return None
                 raise ValueError(f"train_data ran out inside an accumulation (micro-batch {micro} of {cfg.grad_accum})")
             inputs, targets = batch
+            if not self._batch_checked:
+                self._batch_checked = True
+                if inputs.shape[0] != cfg.micro_batch:
+                    self._say(
+                        f"warning: train_data yields {inputs.shape[0]} rows per micro-batch, TrainConfig.micro_batch="
+                        f"{cfg.micro_batch}: the loop trains on what it gets (DeepSpeed's batch sizes use micro_batch)"
+                    )
             loss_sum += self.engine.micro_step(inputs, targets, micro == cfg.grad_accum - 1, cfg.grad_accum)
             tokens += targets.numel()
         loss_scale = self.engine.unscale()
@@ -249,7 +251,7 @@ class Trainer:
         if hasattr(self.engine, "after_clip"):
             self.engine.after_clip(named)
         budget = cfg.time_budget_s is not None and time.perf_counter() - self._t_start >= cfg.time_budget_s
-        loss, stop = self._agree(loss_sum / cfg.grad_accum, self._stop_signal is not None or budget)
+        loss, stop = self._agree(loss_sum / cfg.grad_accum, self._signals.received is not None or budget)
         self._stop = stop and (self._stop_reason_local(budget) or "another rank stopped")
         skipped = False
         if math.isfinite(loss) and math.isfinite(report.total_norm):
@@ -275,8 +277,8 @@ class Trainer:
         return record
 
     def _stop_reason_local(self, budget: bool) -> str | None:
-        if self._stop_signal:
-            return self._stop_signal
+        if self._signals.received:
+            return self._signals.received
         return "time_budget" if budget else None
 
     # ----------------------------------------------------------------------------------------------- the loop
@@ -310,7 +312,7 @@ class Trainer:
                 else "unknown (set TrainConfig.peak_tflops)"
             )
         )
-        old_handlers = self._install_signals()
+        self._signals.install()
         bar = None
         if cfg.progress and self.is_main:
             from tqdm.auto import tqdm
@@ -337,16 +339,11 @@ class Trainer:
                     now = time.perf_counter()
                     tps = window_tokens / max(now - window_t0, 1e-9)
                     window_tokens, window_t0 = 0, now
-                    mem, kind = memory_bytes(self.device)
-                    record.update(tokens_per_s=tps, memory_bytes=mem, memory_kind=kind, tokens_seen=self.tokens_seen)
-                    if self.peak_tflops:
-                        record["mfu"] = tps * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
-                        record["peak_tflops"] = self.peak_tflops
+                    record["tokens_seen"] = self.tokens_seen
+                    add_throughput(record, tps, self.device, self.flops_per_token, self.peak_tflops, self.world_size)
                     logger.log(record)
-                    if bar is None:
-                        self._say(format_line(record))
-                    elif self.is_main:
-                        bar.write(format_line(record))
+                    if self.is_main:
+                        (bar.write if bar is not None else self._say)(format_line(record))
                 if self.consecutive_skips >= cfg.max_consecutive_skips:
                     raise NonFiniteLossError(
                         f"{self.consecutive_skips} consecutive steps (to step {self.step}) had a non-finite loss or "
@@ -375,8 +372,7 @@ class Trainer:
                 torch.autograd.set_detect_anomaly(False)
             if bar is not None:
                 bar.close()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
+            self._signals.restore()
         if summary["stopped"] not in ("SIGTERM", "SIGINT") and self.eval_data is not None:
             summary["eval"] = self._eval_and_log(logger)
         ckpt = self.save_checkpoint() if self._last_saved_step != self.step else None
