@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from alibi_kernels.attention_torch import alibi_attention_torch
+from alibi_kernels.attention_torch import torch_attention_checked
 from alibi_kernels.validation import check_attention_inputs
 
 __all__ = ["alibi_attention", "BACKENDS", "triton_unavailable_reason"]
@@ -67,15 +67,15 @@ def alibi_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
     if backend == "auto":
         use_triton = q.device.type == "cuda" and triton_unavailable_reason(q.device) is None
         backend = "triton" if use_triton else "torch"
     if backend == "torch":
-        return alibi_attention_torch(q, k, v, slopes, causal=causal, softmax_scale=softmax_scale)
+        return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
     reason = triton_unavailable_reason(q.device)
     if reason is not None:
         raise RuntimeError(f"backend='triton' cannot run here: {reason}")
-    from alibi_kernels.attention_triton import alibi_attention_triton
+    from alibi_kernels.attention_triton import triton_attention_checked
 
-    return alibi_attention_triton(q, k, v, slopes, causal=causal, softmax_scale=softmax_scale)
+    return triton_attention_checked(q, k, v, slopes_2d, scale, causal)

@@ -16,7 +16,13 @@ import torch.nn.functional as F
 
 from alibi_kernels.validation import AttentionShape, check_attention_inputs
 
-__all__ = ["alibi_attention_torch", "bias_cache_info", "clear_bias_cache", "MAX_BIAS_ELEMENTS"]
+__all__ = [
+    "alibi_attention_torch",
+    "torch_attention_checked",
+    "bias_cache_info",
+    "clear_bias_cache",
+    "MAX_BIAS_ELEMENTS",
+]
 
 # A bias larger than this many elements (16 MiB in fp32) is not cached: queries are processed in chunks whose
 # bias stays below it, so memory grows as O(T) per chunk row instead of O(T^2).
@@ -132,6 +138,19 @@ def alibi_attention_torch(
         torch.Size([2, 4, 8, 16])
     """
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
+
+
+def torch_attention_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shape: AttentionShape,
+    slopes_2d: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The torch path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
     dtype = _compute_dtype(q)
     qc, kc, vc = (t.to(dtype) for t in (q, k, v))
     n_slope_rows = slopes_2d.shape[0]

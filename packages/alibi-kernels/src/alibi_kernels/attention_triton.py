@@ -16,7 +16,7 @@ from alibi_kernels.triton_backward import alibi_bwd_dkdv_kernel, alibi_bwd_dq_ke
 from alibi_kernels.triton_forward import LOG2E, alibi_fwd_kernel, forward_configs
 from alibi_kernels.validation import check_attention_inputs
 
-__all__ = ["alibi_attention_triton", "INTERPRETED"]
+__all__ = ["alibi_attention_triton", "triton_attention_checked", "INTERPRETED"]
 
 # triton.jit decides at import time whether kernels are interpreted; record that decision.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -182,6 +182,13 @@ def alibi_attention_triton(
         torch.Size([1, 4, 64, 64])
     """
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
+
+
+def triton_attention_checked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes_2d: torch.Tensor, scale: float, causal: bool
+) -> torch.Tensor:
+    """The Triton path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
     if q.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "the Triton kernels were imported in compiled mode; CPU tensors need TRITON_INTERPRET=1 set before "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,12 @@ class AttentionShape:
     def offset(self) -> int:
         """pos_i = i + offset: queries are aligned to the end of the keys."""
         return self.k_len - self.q_len
+
+
+@functools.lru_cache(maxsize=32)
+def _default_slopes(n_heads: int, device: torch.device) -> torch.Tensor:
+    # One (1, Hq) tensor per head count and device: no host-to-device copy per call. Never mutated by the backends.
+    return alibi_slopes(n_heads).to(device).unsqueeze(0)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -87,7 +94,7 @@ def check_attention_inputs(
         raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
 
     if slopes is None:
-        slopes_2d = alibi_slopes(hq).to(q.device).unsqueeze(0)  # (1, Hq)
+        slopes_2d = _default_slopes(hq, q.device)  # (1, Hq)
     else:
         if not isinstance(slopes, torch.Tensor):
             raise ValueError(f"slopes must be a torch.Tensor of shape ({hq},) or ({b}, {hq}), got {type(slopes)}")
