@@ -3,7 +3,7 @@
 Run on a CUDA host from the repository root, with alibi-kernels installed (editable or not):
 
     python tools/gpu_check_kernels.py            # tests (one config per head dim) + full benchmark
-    python tools/gpu_check_kernels.py --quick    # smaller benchmark sweep
+    python tools/gpu_check_kernels.py --quick    # smaller test grid and benchmark sweep
     python tools/gpu_check_kernels.py --skip-tests
 
 Exits 2 with a message when CUDA is absent, 1 when the tests or the benchmark fail.
@@ -36,7 +36,9 @@ def _run(title: str, cmd: list[str], env: dict[str, str], timeout_s: int) -> int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="pass --quick to the benchmark")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller GPU test grid (T in 1, 100, 4096) and benchmark sweep"
+    )
     parser.add_argument("--skip-tests", action="store_true", help="only the benchmark")
     parser.add_argument("--skip-bench", action="store_true", help="only the tests")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per step")
@@ -57,7 +59,7 @@ def main() -> int:
     if not args.skip_tests:
         # One config per head dim keeps the ~570-case grid to one compilation per shape class;
         # test_gpu_autotuned_configs_bf16 switches autotuning back on for itself.
-        test_env = {**env, "ALIBI_KERNELS_AUTOTUNE": "0"}
+        test_env = {**env, "ALIBI_KERNELS_AUTOTUNE": "0", "ALIBI_KERNELS_GPU_GRID": "quick" if args.quick else "full"}
         cmd = [sys.executable, "-m", "pytest", str(PACKAGE / "tests"), "-m", "gpu", "-q", "-x", "--durations=10"]
         failures += _run("gpu tests", cmd, test_env, args.timeout) != 0
     if not args.skip_bench:
