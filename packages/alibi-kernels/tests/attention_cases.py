@@ -49,8 +49,12 @@ def assert_fp32_close(name, actual, expected, rtol=FP32_RTOL):
     assert err <= bound, f"{name}: max abs error {err:.3g} > {bound:.3g} (rtol {rtol} of max |ref|)"
 
 
-def assert_within_twice_torch_error(name, actual, expected64, torch_same_dtype, floor=1e-6):
-    """The FlashAttention rule: error vs float64 at most 2x PyTorch's own same-dtype math error."""
+def assert_within_twice_torch_error(name, actual, expected64, torch_same_dtype, floor=1e-5):
+    """The FlashAttention rule: error vs float64 at most 2x PyTorch's own same-dtype math error.
+
+    The floor (100x below an fp16 ulp at 1) covers cases where PyTorch's own error is exactly 0: with T = 1 its
+    softmax backward gives dS = g - g = 0, while a kernel's fp32 rowsum(dO * O) and dO . v round differently.
+    """
     err = (actual.double() - expected64).abs().max().item()
     base = (torch_same_dtype.double() - expected64).abs().max().item()
     assert err <= 2 * base + floor, f"{name}: error {err:.3g} > 2 x torch's own error {base:.3g}"
