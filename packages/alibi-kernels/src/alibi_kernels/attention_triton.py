@@ -1,8 +1,9 @@
 """The Triton backend: launches the forward and backward kernels inside one autograd Function.
 
-On CUDA every kernel is autotuned per head-dim class (the key is the power-of-two bucket of the sequence length,
-causality and the dtypes). Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small tile is used, so the
-interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
+On CUDA every kernel is autotuned per head-dim class (<= 64, <= 128, 256); the tuning key is a coarse sequence
+length bucket (<= 512, <= 2048, longer), the head dim, causality and the dtypes. ALIBI_KERNELS_AUTOTUNE=0 skips
+tuning and launches each class's first config. Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small tile
+is used, so the interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
 """
 
 from __future__ import annotations
