@@ -51,6 +51,8 @@ class ClipGroups:
                     idx = i
                     break
             self.index_of[name] = idx
+        self._cached_names: tuple[str, ...] = ()
+        self._cached_index = torch.zeros(0, dtype=torch.long)
         used = set(self.index_of.values())
         unused = [self.group_names[i] for i in range(len(patterns)) if i not in used]
         if unused:
@@ -71,8 +73,11 @@ class ClipGroups:
             sq = torch.stack(norms).detach().to("cpu", torch.float64).pow(2)
         else:
             sq = torch.stack([n.detach().to("cpu", torch.float64) for n in norms]).pow(2)
-        index = torch.tensor([self.index_of[n] for n, _ in named_grads], dtype=torch.long)
-        return out.index_add_(0, index, sq)
+        names = tuple(n for n, _ in named_grads)
+        if names != self._cached_names:  # the same names come every step: build the index once
+            self._cached_names = names
+            self._cached_index = torch.tensor([self.index_of[n] for n in names], dtype=torch.long)
+        return out.index_add_(0, self._cached_index, sq)
 
     def clip(
         self,
@@ -96,7 +101,7 @@ class ClipGroups:
         factors = []
         for norm, thr in zip(norms, self.thresholds, strict=True):
             factors.append(min(1.0, thr / (norm + 1e-6)) if thr > 0 and norm == norm else 1.0)
-        if apply:
+        if apply and min(factors) < 1.0:
             by_group: dict[int, list[torch.Tensor]] = {}
             for name, g in named_grads:
                 idx = self.index_of[name]

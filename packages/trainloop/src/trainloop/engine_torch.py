@@ -81,7 +81,7 @@ class TorchEngine:
         with sync:
             with self.autocast():
                 loss = loss_of(self.model(inputs, targets))
-            self.scaler.scale(loss / n_micro).backward()
+            self.scaler.scale(loss / n_micro if n_micro > 1 else loss).backward()
         return loss.detach()
 
     def unscale(self) -> float:
