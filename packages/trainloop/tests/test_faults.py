@@ -96,5 +96,6 @@ def test_sigterm_to_torchrun_saves_zero2_checkpoint_on_both_ranks(tmp_path):
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == f"step_{summary['step']:08d}"
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
-    assert {"rank0.pt", "rank1.pt", "model.safetensors"} <= set(files)
+    assert {"rank0.pt", "rank1.pt", "model.safetensors", "train_config.json", "ds_config.json"} <= set(files)
+    assert json.loads((ckpt / "ds_config.json").read_text())["gradient_clipping"] == 0.0
     assert sum("optim_states" in f for f in files) == 2  # each rank's ZeRO-2 optimizer shard

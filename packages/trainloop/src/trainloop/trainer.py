@@ -143,6 +143,8 @@ class Trainer:
         if self.is_main:
             (tmp / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
             (tmp / "extra_state.json").write_text(json.dumps(self.extra_state, indent=1))
+            if hasattr(self.engine, "ds_config"):
+                (tmp / "ds_config.json").write_text(json.dumps(self.engine.ds_config, indent=1))
         barrier()
         final = tmp.parent / step_dir_name(self.step)
         if self.is_main:
