@@ -16,9 +16,9 @@ from lmtrain.errors import LmtrainError
 
 # Enough source for a few minutes of cpu-small (several epochs would need hours); a stride over the sorted
 # files keeps the sample spread over the whole library.
-DEMO_CORPUS_BYTES = 4_000_000
+DEMO_CORPUS_BYTES = 2_500_000
 DEMO_VAL_FRACTION = 0.05
-DEMO_EVAL_CHARS = 40_000  # held-out characters scored at the end (a full pass would outlast a short demo)
+DEMO_EVAL_CHARS = 20_000  # held-out characters scored at the end (a full pass would outlast a short demo)
 _SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 
 
