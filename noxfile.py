@@ -11,10 +11,10 @@ by accident: `tools/constraints-cpu.txt` by default, or the file named by
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
@@ -102,8 +102,9 @@ def tests(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """Build wheels of all six packages, install them, run integration_tests/."""
     wheels = Path(session.create_tmp()) / "wheels"
-    session.run("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels),
-                *[str(PACKAGES_DIR / p) for p in PACKAGES])
+    session.run(
+        "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), *[str(PACKAGES_DIR / p) for p in PACKAGES]
+    )
     built = sorted(str(w) for w in wheels.glob("*.whl"))
     session.install("--force-reinstall", "--no-deps", *built)
     session.install(*built, *TEST_TOOLS)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 PACKAGES = Path(__file__).resolve().parent.parent / "packages"
@@ -23,7 +23,7 @@ def current_versions() -> dict[str, str]:
         version_file = pyproject.parent / meta["tool"]["hatch"]["version"]["path"]
         match = re.search(r'__version__\s*=\s*"([^"]+)"', version_file.read_text())
         if match is None:
-            sys.exit(f"{version_file}: no __version__ = \"...\" line")
+            sys.exit(f'{version_file}: no __version__ = "..." line')
         versions[name] = match.group(1)
     return versions
 
@@ -41,9 +41,7 @@ def main() -> int:
             if req.url:
                 problems.append(f"{pyproject}: {req.name} is named by URL/path; use a version range")
             elif not req.specifier.contains(versions[req.name], prereleases=True):
-                problems.append(
-                    f"{pyproject}: requires {req} but packages/{req.name} is at {versions[req.name]}"
-                )
+                problems.append(f"{pyproject}: requires {req} but packages/{req.name} is at {versions[req.name]}")
     for p in problems:
         print(p)
     if problems:
