@@ -61,8 +61,9 @@ class DataConfig:
     """The app's own settings between the token files and the trainer (overridable with `--set`).
 
     `seq_len=None` trains at the model's `context_length`. `sampler` is "random" (i.i.d. windows, nanoGPT's
-    recipe) or "epoch" (every window once per epoch, shuffled). With a `--time-budget` and no `--max-steps`, the
-    speed of `calibrate_steps` throw-away steps sizes `max_steps` (and so the cosine decay) to the budget.
+    recipe) or "epoch" (every window once per epoch, shuffled). `cpu_threads=None` lets a single-process CPU run
+    time a few steps with one thread and with all cores and keep the faster (on a shared 2-core machine one
+    thread measured 5x faster, docs/benchmarks.md); OMP_NUM_THREADS in the environment also skips the probe.
 
     Example:
         >>> DataConfig(seq_len=128).sampler
@@ -72,7 +73,7 @@ class DataConfig:
     seq_len: int | None = None
     sampler: str = "random"
     prefetch: int = 3
-    calibrate_steps: int = 5
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
@@ -81,8 +82,8 @@ class DataConfig:
             raise ValueError(f"DataConfig.sampler must be 'random' or 'epoch', got {self.sampler!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"DataConfig.prefetch must be an int >= 1, got {self.prefetch!r}")
-        if not isinstance(self.calibrate_steps, int) or self.calibrate_steps < 1:
-            raise ValueError(f"DataConfig.calibrate_steps must be an int >= 1, got {self.calibrate_steps!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"DataConfig.cpu_threads must be an int >= 1 or None, got {self.cpu_threads!r}")
 
 
 # DataConfig per preset.

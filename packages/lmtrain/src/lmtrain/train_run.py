@@ -8,7 +8,6 @@ the process group. `--deepspeed` switches the engine to DeepSpeed with the given
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -22,10 +21,6 @@ from lmtrain.errors import LmtrainError, OverrideError
 from lmtrain.overrides import apply_overrides, parse_pairs
 from lmtrain.recipes import DEFAULT_PRESET, DataConfig, data_recipe, train_recipe
 from lmtrain.run_files import RUN_FILE, TOKENIZER_FILE, read_meta, read_run, write_json_atomic
-
-# Fraction of the measured speed the schedule is sized to, so the cosine decay ends before the budget even when
-# the machine slows down a little (other work on the same cores).
-BUDGET_SAFETY = 0.92
 
 
 def matching_preset(model_config: Any) -> str | None:
@@ -88,26 +83,30 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
     return model_cfg, train_cfg, data_cfg, recipe
 
 
-def calibrate_steps_per_s(model: Any, train_cfg: Any, data_cfg: DataConfig, vocab_size: int) -> float:
-    """Optimizer steps per second of this configuration, timed on a throw-away copy with random tokens."""
+def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int) -> tuple[int, dict[int, float]]:
+    """The faster of one thread and all cores for this model's training step, timed on a throw-away copy.
+
+    Returns (threads, seconds per step for each count tried).
+    """
+    import copy
+
     import torch
 
     probe = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-9)
-    shape = (train_cfg.micro_batch, data_cfg.seq_len)
-    timings = []
-    for _ in range(data_cfg.calibrate_steps + 1):  # the first step pays one-off allocation costs
-        ids = torch.randint(0, vocab_size, shape)
-        t0 = time.perf_counter()
-        for _ in range(train_cfg.grad_accum):
-            loss = probe(ids, ids).loss
-            loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        timings.append(time.perf_counter() - t0)
-    del probe, optimizer
-    timings = sorted(timings[1:])
-    return 1.0 / timings[len(timings) // 2]
+    ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+    timings: dict[int, float] = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        best = float("inf")
+        for _ in range(3):  # the first step of each setting pays one-off costs; keep the best
+            t0 = time.perf_counter()
+            probe(ids, ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            best = min(best, time.perf_counter() - t0)
+        timings[threads] = best
+    return min(timings, key=timings.get), timings
 
 
 def val_batches(token_file: Any, seq_len: int, batch_size: int):
@@ -129,6 +128,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     import tokbin
     from lmcore import GPT, n_params
+    from lmtrain.budget_schedule import REPLAN_AT, open_ended, plan
     from trainloop import Trainer, plot_metrics
 
     rank = int(os.environ.get("RANK", "0"))
@@ -140,70 +140,101 @@ def run_train(args: argparse.Namespace) -> int:
     torch.manual_seed(train_cfg.seed)
     model = GPT(model_cfg)
     resumed = args.resume and (run_dir / RUN_FILE).is_file()
-    calibrated = None
-    if args.time_budget is not None and args.max_steps is None and not resumed and world_size == 1:
-        # Size the schedule to the budget: max_steps (and the cosine's t_max) = what the budget allows.
-        speed = calibrate_steps_per_s(model, train_cfg, data_cfg, model_cfg.vocab_size)
-        left = args.time_budget - (time.perf_counter() - t_start)
-        steps = max(1, int(left * speed * BUDGET_SAFETY))
-        warmup = min(train_cfg.warmup_steps, steps // 5)
-        # A short budget still logs about 20 points for the curve.
-        log_every = max(1, min(train_cfg.log_every, steps // 20))
-        train_cfg = dataclasses.replace(
-            train_cfg, max_steps=steps, t_max=steps, warmup_steps=warmup, log_every=log_every
-        )
-        calibrated = {"steps_per_s": speed, "max_steps": steps}
-    if args.time_budget is not None:
-        # The budget counts from the command's start: calibration and set-up are part of it.
-        left = max(1.0, args.time_budget - (time.perf_counter() - t_start))
-        train_cfg = dataclasses.replace(train_cfg, time_budget_s=left)
-    if rank == 0:
-        shutil.copyfile(meta["tokenizer_path"], run_dir / TOKENIZER_FILE)
+    if data_cfg.cpu_threads is not None:
+        torch.set_num_threads(data_cfg.cpu_threads)
+    elif world_size == 1 and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        threads, timings = pick_cpu_threads(model, train_cfg.micro_batch, data_cfg.seq_len, model_cfg.vocab_size)
+        torch.set_num_threads(threads)
+        print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
+              + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
+    set_keys = {key.split(".")[-1] for key, _ in parse_pairs(args.overrides)}
+    # Size the schedule to the budget while training (single process: the ranks of a distributed run would have
+    # to agree on every re-plan). Explicit steps or schedule settings turn this off.
+    budgeted = (
+        args.time_budget is not None and args.max_steps is None and not resumed and world_size == 1
+        and not {"max_steps", "t_max", "schedule", "wsd_decay_steps"} & set_keys
+    )  # fmt: skip
+    if budgeted:
+        # About 20 points on the curve even for short budgets.
+        log_every = max(1, min(train_cfg.log_every, int(args.time_budget) // 25))
+        train_cfg = open_ended(dataclasses.replace(train_cfg, log_every=log_every))
+
+    def write_run_json(config: Any) -> None:
+        if rank != 0:
+            return
         write_json_atomic(
             run_dir / RUN_FILE,
             {
                 "data": str(Path(args.data).resolve()),
                 "recipe": recipe,
                 "model_config": model_cfg.to_dict(),
-                "train_config": train_cfg.to_dict(),
+                "train_config": config.to_dict(),
                 "data_config": dataclasses.asdict(data_cfg),
                 "eos_id": meta.get("eos_id"),
                 "vocab_size": meta["vocab_size"],
                 "bytes_per_token": meta["bytes_per_token"],
                 "n_params": n_params(model_cfg),
-                "calibration": calibrated,
                 "world_size": world_size,
+                "budget_plan": plans,
             },
         )
+
+    plans: list[dict[str, Any]] = []
+    if rank == 0:
+        shutil.copyfile(meta["tokenizer_path"], run_dir / TOKENIZER_FILE)
+        write_run_json(train_cfg)
+        steps = "sized to the budget as it runs" if budgeted else f"max_steps {train_cfg.max_steps}"
         print(
             f"lmtrain: {n_params(model_cfg) / 1e6:.2f}M parameters ({recipe or 'config file'}), seq_len "
             f"{data_cfg.seq_len}, micro_batch {train_cfg.micro_batch} x accum {train_cfg.grad_accum} x "
-            f"{world_size} rank(s), lr {train_cfg.lr:g}, max_steps {train_cfg.max_steps}"
-            + (f" (sized to the budget at {calibrated['steps_per_s']:.2f} steps/s)" if calibrated else ""),
+            f"{world_size} rank(s), lr {train_cfg.lr:g}, {steps}",
             flush=True,
         )
     train_file = tokbin.TokenFile(meta["train_path"])
     val_file = tokbin.TokenFile(meta["val_path"])
-    if data_cfg.sampler == "random":
-        sampler = tokbin.RandomWindows(train_file.n_tokens, data_cfg.seq_len, train_cfg.micro_batch,
-                                       seed=train_cfg.seed, rank=rank, world_size=world_size)  # fmt: skip
-    else:
-        sampler = tokbin.EpochWindows(train_file.n_tokens, data_cfg.seq_len, train_cfg.micro_batch,
-                                      seed=train_cfg.seed, rank=rank, world_size=world_size)  # fmt: skip
+    sampler_cls = tokbin.RandomWindows if data_cfg.sampler == "random" else tokbin.EpochWindows
+    sampler = sampler_cls(train_file.n_tokens, data_cfg.seq_len, train_cfg.micro_batch, seed=train_cfg.seed,
+                          rank=rank, world_size=world_size)  # fmt: skip
     loader = tokbin.Loader(train_file, sampler, max_prefetch=data_cfg.prefetch)
+    eval_data = val_batches(val_file, data_cfg.seq_len, train_cfg.micro_batch)
     monitor = _start_monitor(run_dir) if args.gpumon and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    ends = [t_start + f * args.time_budget for f in REPLAN_AT] if budgeted else []
+    if args.time_budget is not None:
+        ends.append(t_start + args.time_budget)  # the budget counts from the command's start
+    loop_s, segment_first_step = 0.0, 0
     try:
-        trainer = Trainer(
-            model,
-            train_cfg,
-            loader,
-            run_dir=run_dir,
-            eval_data=val_batches(val_file, data_cfg.seq_len, train_cfg.micro_batch),
-            bytes_per_token=meta["val"]["bytes_per_token"],
-            ds_config=args.deepspeed,
-            extra_state={"model_config": model_cfg.to_dict(), "data_config": dataclasses.asdict(data_cfg)},
-        )
-        summary = trainer.fit(resume=args.resume)
+        resume = args.resume
+        for segment, end in enumerate(ends or [None]):
+            last = segment == max(0, len(ends) - 1)
+            config = train_cfg
+            if end is not None:
+                config = dataclasses.replace(train_cfg, time_budget_s=max(1.0, end - time.perf_counter()))
+            segment_start = time.perf_counter()
+            trainer = Trainer(
+                model,
+                config,
+                loader,
+                run_dir=run_dir,
+                eval_data=eval_data if last else None,
+                bytes_per_token=meta["val"]["bytes_per_token"],
+                ds_config=args.deepspeed,
+                extra_state={"model_config": model_cfg.to_dict(), "data_config": dataclasses.asdict(data_cfg)},
+            )
+            summary = trainer.fit(resume=resume)
+            loop_s += summary["wall_s"]
+            resume = True  # later segments continue from the checkpoint the previous one ended with
+            if last or summary.get("stopped") not in ("time_budget", None):
+                break
+            speed = max(summary["step"] - segment_first_step, 1) / max(time.perf_counter() - segment_start, 1e-3)
+            segment_first_step = summary["step"]
+            remaining = args.time_budget - (time.perf_counter() - t_start)
+            train_cfg = plan(train_cfg, summary["step"], speed, remaining)
+            plans.append({"at_step": summary["step"], "steps_per_s": round(speed, 3), "max_steps": train_cfg.max_steps,
+                          "decay_from": train_cfg.max_steps - train_cfg.wsd_decay_steps})  # fmt: skip
+            write_run_json(train_cfg)
+            if rank == 0:
+                print(f"lmtrain: re-planned at step {summary['step']}: {speed:.2f} steps/s -> {train_cfg.max_steps} "
+                      f"steps, decay from step {plans[-1]['decay_from']}", flush=True)  # fmt: skip
     except (ValueError, TypeError) as exc:
         if isinstance(exc, ValueError) and ("ds_config" in str(exc) or "TrainConfig" in str(exc)):
             raise LmtrainError(str(exc)) from exc
@@ -228,6 +259,7 @@ def run_train(args: argparse.Namespace) -> int:
                 plot_metrics(metrics, run_dir / "loss.png")
             except Exception as exc:  # a plot must not fail a finished run
                 print(f"lmtrain: could not plot {metrics}: {exc}", file=sys.stderr)
+        summary["wall_s"] = loop_s  # the training loops of all segments
         print(json.dumps({"summary": summary, "run_dir": str(run_dir)}, default=str), flush=True)
     return 0
 
