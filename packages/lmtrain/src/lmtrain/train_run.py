@@ -176,6 +176,7 @@ def run_train(args: argparse.Namespace) -> int:
                 "n_params": n_params(model_cfg),
                 "world_size": world_size,
                 "budget_plan": plans,
+                "cpu_threads": torch.get_num_threads(),
             },
         )
 
