@@ -28,7 +28,7 @@ def test_train_eval_generate(prepared, shakespeare_texts, tmp_path):
     run = tmp_path / "run"
     run_lmtrain(
         "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--max-steps", "60",
-        "--set", "log_every=10", "--set", "lr=0.01", "--set", "save_every=30",
+        "--set", "log_every=10", "--set", "lr=0.01", "--set", "save_every=30", "--gpumon",
     )  # fmt: skip
     records = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
@@ -37,6 +37,8 @@ def test_train_eval_generate(prepared, shakespeare_texts, tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 0.3, "the loss should fall"
     assert (run / "loss.png").stat().st_size > 1000
     assert (run / "tokenizer.model").is_file()
+    # gpumon records the host (CPU, RSS) where there is no GPU driver.
+    assert len((run / "gpumon.csv").read_text().splitlines()) > 2
 
     result = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32", "--stride", "16")
     ev = json.loads(result.stdout.strip().splitlines()[-1])

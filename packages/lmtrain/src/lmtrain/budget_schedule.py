@@ -23,14 +23,16 @@ SPEED_SAFETY = 0.92
 _OPEN_END = 10**9
 
 
-def open_ended(config: Any) -> Any:
-    """The first segment's TrainConfig: warmup, then a constant learning rate with no end in sight.
+def open_ended(config: Any, end: int | None = None) -> Any:
+    """The first segment's TrainConfig: warmup, then a constant learning rate up to step `end` (a generous guess
+    that only sizes the progress bar; the first re-plan replaces it; None: no end in sight).
 
     Example:
         >>> open_ended(TrainConfig(lr=1e-3)).schedule  # doctest: +SKIP
         'wsd'
     """
-    return dataclasses.replace(config, schedule="wsd", max_steps=_OPEN_END, t_max=_OPEN_END, wsd_decay_steps=1)
+    end = _OPEN_END if end is None else max(end, config.warmup_steps + 2)
+    return dataclasses.replace(config, schedule="wsd", max_steps=end, t_max=end, wsd_decay_steps=1)
 
 
 def plan(config: Any, step: int, steps_per_s: float, remaining_s: float) -> Any:

@@ -140,11 +140,13 @@ def run_train(args: argparse.Namespace) -> int:
     torch.manual_seed(train_cfg.seed)
     model = GPT(model_cfg)
     resumed = args.resume and (run_dir / RUN_FILE).is_file()
+    step_s = None  # seconds per step, when the thread probe measured it
     if data_cfg.cpu_threads is not None:
         torch.set_num_threads(data_cfg.cpu_threads)
     elif world_size == 1 and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         threads, timings = pick_cpu_threads(model, train_cfg.micro_batch, data_cfg.seq_len, model_cfg.vocab_size)
         torch.set_num_threads(threads)
+        step_s = timings[threads]
         print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
               + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
     set_keys = {key.split(".")[-1] for key, _ in parse_pairs(args.overrides)}
@@ -157,7 +159,9 @@ def run_train(args: argparse.Namespace) -> int:
     if budgeted:
         # About 20 points on the curve even for short budgets.
         log_every = max(1, min(train_cfg.log_every, int(args.time_budget) // 25))
-        train_cfg = open_ended(dataclasses.replace(train_cfg, log_every=log_every))
+        # Twice the steps the probe's speed allows: a generous end that the first re-plan replaces.
+        guess = None if step_s is None else int(2 * args.time_budget / step_s)
+        train_cfg = open_ended(dataclasses.replace(train_cfg, log_every=log_every), guess)
 
     def write_run_json(config: Any) -> None:
         if rank != 0:
