@@ -148,3 +148,25 @@ def test_blocking_calls_run_off_the_fast_thread(fake, tmp_path):
     rec = Recording(tmp_path / "g.csv")
     i = rec.columns.index("gpu0.pcie_tx_kbps")
     assert sum(1 for _, kind, _, _, cells in rec.rows() if kind == "s" and cells[i]) == reads
+
+
+def test_host_metrics_are_polled_at_their_own_period(tmp_path):
+    from gpumon.sampler import Sampler
+
+    backend = HostBackend()
+    assert backend.periods == {"cpu": 0.1, "memory": 0.1}
+    sampler = Sampler(backend.pollers, rate_hz=100, out=tmp_path / "h.csv", clock=lambda: 0.0)
+    for k in range(100):  # one second of ticks on a manual clock
+        sampler.sample_once(k / 100)
+    sampler.stop()
+    backend.close()
+    summary = sampler.summary()
+    assert summary.metrics["host.tree_rss_bytes"]["reads"] == 10
+    assert summary.metrics["host.cpu_pct"]["reads"] == 10
+    # an override still reads every tick
+    fast = HostBackend(periods={"memory": 0.0})
+    sampler = Sampler(fast.pollers, rate_hz=100, clock=lambda: 0.0)
+    for k in range(20):
+        sampler.sample_once(k / 100)
+    fast.close()
+    assert sampler.summary().metrics["host.tree_processes"]["reads"] == 20

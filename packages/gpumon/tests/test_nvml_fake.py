@@ -52,6 +52,7 @@ def test_each_metric_group_is_polled_at_its_own_period(monkeypatch, clock, tmp_p
     backend = NVMLBackend()
     periods = {p.name: p.period_s for p in backend.pollers}
     assert periods["gpu0.memory"] == 0.0 and periods["gpu0.processes"] == 1.0 and periods["gpu0.pcie"] == 1.0
+    assert periods["gpu0.power"] == 0.0 and periods["gpu0.clocks"] == 0.0 and periods["gpu0.temperature"] == 0.1
     # the utilisation window comes from the spacing of the (fake) driver's own samples
     assert periods["gpu0.utilization"] == pytest.approx(1 / 6, abs=1e-6)
     sampler = Sampler(backend.pollers, rate_hz=100, out=tmp_path / "g.csv", clock=clock)
@@ -65,6 +66,7 @@ def test_each_metric_group_is_polled_at_its_own_period(monkeypatch, clock, tmp_p
     assert polled["gpu0.processes"] == 2  # 1 Hz over 2 s
     assert polled["gpu0.pcie_tx_kbps"] == 2
     assert polled["gpu0.util_gpu_pct"] == 12  # every 1/6 s over 2 s
+    assert polled["gpu0.temperature_c"] == 20  # 10 Hz
     # the slow pollers of the two GPUs do not land on the same tick
     first = [
         column(rec, c).index(next(x for x in column(rec, c) if x))
@@ -81,14 +83,15 @@ def test_repeated_values_are_marked_stale(monkeypatch, clock, tmp_path):
     sampler.stop()
     backend.close()
     rec = Recording(tmp_path / "g.csv")
-    temperature = column(rec, "gpu0.temperature_c")  # the fake refreshes it once a second
-    assert temperature[0].isdigit() and set(temperature[1:]) == {"="}
+    temperature = column(rec, "gpu0.temperature_c")  # read at 10 Hz; the fake refreshes it once a second
+    read = [c for c in temperature if c != ""]
+    assert len(read) == 10 and read[0].isdigit() and set(read[1:]) == {"="}
     memory = column(rec, "gpu0.memory_used_bytes")  # refreshed every 5 ms: new at every 10 ms tick
     assert "=" not in memory
     clocks = column(rec, "gpu0.sm_clock_mhz")  # refreshed every 100 ms
     assert sum(c != "=" for c in clocks) == 10
     summary = summarize_recording(tmp_path / "g.csv")
-    assert summary.metrics["gpu0.temperature_c"]["fresh_fraction"] == pytest.approx(0.01)
+    assert summary.metrics["gpu0.temperature_c"]["fresh_fraction"] == pytest.approx(0.1)
     assert summary.metrics["gpu0.sm_clock_mhz"]["fresh_fraction"] == pytest.approx(0.10)
     assert summary.metrics["gpu0.memory_used_bytes"]["fresh_fraction"] == 1.0
 
@@ -152,7 +155,7 @@ def test_a_gpu_lost_mid_run_stops_only_that_gpu(monkeypatch, clock, tmp_path):
 
 def test_a_poller_bug_is_counted_not_raised(monkeypatch, clock):
     fake = install(monkeypatch, clock)
-    backend = NVMLBackend()
+    backend = NVMLBackend(periods={"temperature": 0.0})  # every tick, so that each tick retries
 
     def broken(handle, sensor):
         raise ZeroDivisionError("simulated bug")
@@ -188,3 +191,26 @@ def test_devices_lists_the_fake_gpus(monkeypatch, clock):
     assert [d["name"] for d in found] == ["Fake GPU 0", "Fake GPU 1"]
     assert found[0]["memory_total"] == 80 * 2**30 and found[0]["compute_capability"] == "9.0"
     assert sys.modules["pynvml"].init_count == 0
+
+
+def test_rows_reach_the_disk_within_the_flush_bound_and_at_stop(tmp_path, clock):
+    from gpumon.pollers import Poller
+    from gpumon.sampler import FLUSH_EVERY_S
+
+    # text with a comma and a quote goes through the fast row writer quoted as csv would quote it
+    poller = Poller("p", "p", ["p.n", "p.text"], ["count", "text"], 0.0, lambda: [clock.now, 'a,"b"'])
+    sampler = Sampler([poller], rate_hz=100, out=tmp_path / "g.csv", clock=clock)
+
+    def rows_on_disk():
+        return sum(1 for line in (tmp_path / "g.csv").read_text().splitlines() if line[:1].isdigit())
+
+    run_ticks(sampler, clock, 50)  # t = 0 .. 0.49 s: still in the write buffer (that is what keeps ticks cheap)
+    assert rows_on_disk() <= 1
+    for k in range(50, int(FLUSH_EVERY_S * 100) + 1):
+        clock.now = k * 0.01
+        sampler.sample_once(clock.now)
+    assert rows_on_disk() == int(FLUSH_EVERY_S * 100) + 1  # flushed once t reached the bound
+    run_ticks(sampler, clock, 5)
+    sampler.stop()
+    assert rows_on_disk() == int(FLUSH_EVERY_S * 100) + 6
+    assert column(Recording(tmp_path / "g.csv"), "p.text")[:2] == ['a,"b"', "="]

@@ -17,7 +17,10 @@ from gpumon.pollers import Failure, Poller
 
 DEFAULT_PERIODS: dict[str, float] = {
     "cpu": 0.1,  # /proc/stat counts in 10 ms ticks: below ~0.1 s a CPU percentage is mostly quantisation
-    "memory": 0.0,  # RSS is exact at any rate: every tick
+    # RSS is exact at any rate, but a process tree's resident memory moves on the scale of allocator arenas and
+    # checkpoint buffers (tens of ms and up); 10 Hz keeps the curve while costing a tenth of a pread per process
+    # every tick (the tree itself is re-listed once a second, TREE_REFRESH_S)
+    "memory": 0.1,
 }
 TREE_REFRESH_S = 1.0
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -4,8 +4,10 @@ Values are recorded in NVML's native integer units (bytes, mW, mJ, degrees C, MH
 "the same value again" is an exact comparison and the file stays compact; the summary converts for display.
 
 Default poll periods (seconds; 0 = every tick of the sampler):
-    memory, power (instant + average + energy counter in one nvmlDeviceGetFieldValues call), temperature,
+    memory, power (instant + average + energy counter in one nvmlDeviceGetFieldValues call),
     clocks (SM, memory), clock_events: 0
+    temperature: 0.1 (whole degrees C of a die whose thermal time constant is seconds: a faster read only
+    repeats the same value)
     utilization: the device's own refresh window (from nvmlDeviceGetSamples timestamps; 1/6 s if unknown)
     pcie: 1.0 (NVML measures PCIe throughput over a 20 ms window, so each call can block that long)
     processes: 1.0 (the per-process listing costs milliseconds)
@@ -25,7 +27,7 @@ from gpumon.pollers import Failure, Poller
 DEFAULT_PERIODS: dict[str, float | None] = {
     "memory": 0.0,
     "power": 0.0,
-    "temperature": 0.0,
+    "temperature": 0.1,  # integer degrees that move over seconds: 10 Hz loses nothing a plot could show
     "clocks": 0.0,
     "clock_events": 0.0,
     "utilization": None,  # None: the refresh window NVML reports for this device

@@ -45,13 +45,15 @@ class RecordingWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "w", newline="", buffering=1 << 16)  # noqa: SIM115 (closed in close())
-        self._csv = csv.writer(self._file, lineterminator="\n")
+        self._csv = csv.writer(self._file, lineterminator="\n")  # marks and errors: labels are arbitrary text
+        self._write = self._file.write
         self._file.write(MAGIC + json.dumps(meta, sort_keys=True) + "\n")
         self._csv.writerow(FIXED + columns)
         self._file.flush()
 
     def sample(self, t: float, cells: list[str]) -> None:
-        self._csv.writerow([f"{t:.6f}", "s", "", "", *cells])
+        """One sample row; `cells` are already CSV-safe (the sampler quotes text that needs it)."""
+        self._write(f"{t:.6f},s,,,{','.join(cells)}\n")
 
     def event(self, t: float, kind: str, label: str, value: Any) -> None:
         self._csv.writerow([f"{t:.6f}", kind, label, "" if value is None else value])

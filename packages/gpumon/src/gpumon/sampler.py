@@ -44,9 +44,17 @@ def _advance(next_due: float, now: float, period: float) -> float:
 
 
 def _cell(value: Any) -> str:
-    if isinstance(value, float):
+    # sample rows are joined with "," without the csv module (it costs more than the rest of a tick), so text
+    # that could break the row is quoted here as csv would quote it; numbers, by far the common case, never are
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if kind is float:
         return repr(round(value, 3))
-    return str(value)
+    text = str(value)
+    if any(ch in text for ch in ',"\r\n'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 class Sampler:
@@ -81,6 +89,8 @@ class Sampler:
         self.index = {c: i for i, c in enumerate(self.columns)}
         self._last: list[Any] = [None] * len(self.columns)
         self._active = list(range(len(self.pollers)))
+        self._fast: list[tuple[int, Poller, Callable[[], Sequence[Any]], float]] | None = None  # see _fast_pollers
+        self._blank = [MISSING] * len(self.columns)
         self._dropped: set[str] = set()
         self._lost_groups: set[str] = set()
         slow = [i for i, p in enumerate(self.pollers) if p.period_s > 0]
@@ -119,6 +129,7 @@ class Sampler:
         if self._thread is not None:
             raise RuntimeError("Sampler.start(): already started")
         self.t0 = self.clock()
+        self._fast = None  # the blocking pollers move to the slow thread
         self._thread = threading.Thread(target=self._run, name="gpumon-sampler", daemon=True)
         if self._slow:
             self._slow_thread = threading.Thread(target=self._run_slow, name="gpumon-sampler-slow", daemon=True)
@@ -222,38 +233,51 @@ class Sampler:
             except Exception as exc:  # a bug here must not kill monitoring, nor the program being monitored
                 self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
 
+    def _fast_pollers(self) -> list[tuple[int, Poller, Callable[[], Sequence[Any]], float]]:
+        # the pollers this thread reads, with their bound read() and period looked up once rather than every
+        # tick; rebuilt (self._fast = None) whenever a poller is dropped or moves to the slow thread
+        slow_lane = self._slow_thread is not None
+        self._fast = [
+            (i, p, p.read, p.period_s)
+            for i in self._active
+            if not ((p := self.pollers[i]).blocking and slow_lane) and p.group not in self._lost_groups
+        ]
+        return self._fast
+
     def _tick(self, t: float) -> None:
         self._now_t = t
-        builder = self._builder
-        cells = [MISSING] * len(self.columns)
+        cells = self._blank.copy()
         events: list[tuple[float, str, str, str]] = []
-        slow_lane = self._slow_thread is not None
+        lost = self._lost_groups
         while self._slow_results:
             i, values = self._slow_results.popleft()
-            if i in self._active and self.pollers[i].group not in self._lost_groups:
+            if i in self._active and self.pollers[i].group not in lost:
                 self._record(i, values, t, cells, events)
-        for i in list(self._active):
-            p = self.pollers[i]
-            if p.group in self._lost_groups or (p.blocking and slow_lane):
-                continue  # lost earlier in this same tick, or read by the slow thread
-            if p.period_s > 0:
-                if t < self._next_due[i] - 0.5 * self.period:
+        next_due, record = self._next_due, self._record
+        early = t + 0.5 * self.period  # a poller due within half a tick from now is read at this tick
+        for i, p, read, period_s in self._fast if self._fast is not None else self._fast_pollers():
+            if lost and p.group in lost:
+                continue  # lost earlier in this same tick
+            if period_s > 0:
+                if early < next_due[i]:
                     continue
-                self._next_due[i] = _advance(self._next_due[i], t, p.period_s)
+                next_due[i] = _advance(next_due[i], t, period_s)
             try:
-                values = p.read()
+                values = read()
             except Exception as exc:
                 values = [exc] * len(p.columns)
-            self._record(i, values, t, cells, events)
-        self._take_marks(events)
-        builder.add_tick(t)
-        if self._writer is not None:
+            record(i, values, t, cells, events)
+        if self._marks:
+            self._take_marks(events)
+        self._builder.add_tick(t)
+        writer = self._writer
+        if writer is not None:
             try:
                 for et, kind, label, value in events:
-                    self._writer.event(et, kind, label, value)
-                self._writer.sample(t, cells)
+                    writer.event(et, kind, label, value)
+                writer.sample(t, cells)
                 if t >= self._next_flush:
-                    self._writer.flush()
+                    writer.flush()
                     self._next_flush = t + FLUSH_EVERY_S
             except OSError as exc:  # disk full, file removed: keep sampling in memory, report it
                 self._count("file", f"writing stopped: {exc}", "error")
@@ -261,16 +285,16 @@ class Sampler:
 
     def _record(self, i: int, values: Sequence[Any], t: float, cells: list[str], events: list) -> None:
         """Turn one poller's values into cells (fresh, `=` stale, `!` failed) and statistics."""
-        p, last, dropped = self.pollers[i], self._last, self._dropped
+        last, dropped = self._last, self._dropped
         for (column, j, stats), value in zip(self._plan[i], values, strict=True):
-            if column in dropped:
+            if dropped and column in dropped:
                 continue
-            if isinstance(value, BaseException):
-                cells[j] = FAILED
-                self._failed(p, i, column, value, events)
-            elif value == last[j]:
+            if value == last[j] and not isinstance(value, BaseException):
                 cells[j] = STALE
                 stats.add_stale(t, value)
+            elif isinstance(value, BaseException):
+                cells[j] = FAILED
+                self._failed(self.pollers[i], i, column, value, events)
             else:
                 cells[j] = _cell(value)
                 last[j] = value
@@ -298,9 +322,11 @@ class Sampler:
                 p.drop(column)
             if all(c in self._dropped for c in p.columns) and i in self._active:
                 self._active.remove(i)
+                self._fast = None
         elif failure == "lost" and p.group not in self._lost_groups:
             self._lost_groups.add(p.group)
             self._active = [a for a in self._active if self.pollers[a].group != p.group]
+            self._fast = None
             self._dropped.update(c for q in self.pollers if q.group == p.group for c in q.columns)
 
     def _count(self, column: str, text: str, failure: str) -> None:
