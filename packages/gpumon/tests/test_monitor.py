@@ -1,5 +1,6 @@
 """Monitor end to end in its background thread: the fake NVML for GPUs, the real host backend."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -170,3 +171,29 @@ def test_host_metrics_are_polled_at_their_own_period(tmp_path):
         sampler.sample_once(k / 100)
     fast.close()
     assert sampler.summary().metrics["host.tree_processes"]["reads"] == 20
+
+
+def test_host_cpu_from_proc_matches_the_process_own_accounting():
+    from gpumon.host_backend import proc_children
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    try:
+        children = proc_children(os.getpid())
+        if children is None:
+            pytest.skip("no /proc/<pid>/task/<tid>/children on this system (the psutil fallback is used)")
+        assert child.pid in children
+    finally:
+        child.kill()
+        child.wait()
+    backend = HostBackend()
+    backend.read_cpu()
+    before, wall = os.times(), time.monotonic()
+    x = 0
+    while time.monotonic() - wall < 0.3:  # busy: this process uses CPU the whole window
+        x += 1
+    system_cpu, tree_cpu = backend.read_cpu()
+    after, elapsed = os.times(), time.monotonic() - wall
+    backend.close()
+    own = 100 * (after.user + after.system - before.user - before.system) / elapsed
+    assert 0.0 < system_cpu <= 100.0
+    assert tree_cpu == pytest.approx(own, abs=15.0)  # /proc counts in 10 ms ticks
