@@ -57,6 +57,7 @@ class NVMLBackend:
         for key, value in self.periods.items():
             if value is not None and value < 0:
                 raise ValueError(f"periods[{key!r}] must be >= 0 seconds or None, got {value}")
+        self._value_attrs: dict[int, str] | None = None
         self.nvml: ModuleType = load_nvml()
         self._open = True
         try:
@@ -110,11 +111,16 @@ class NVMLBackend:
             f"{g}.energy_mj": getattr(nvml, "NVML_FI_DEV_ENERGY", 191),
         }
         wanted = dict(fields)
+        ids = list(wanted.values())  # the request, rebuilt only when a field is dropped
+        decode = self._field_value
 
         def read_fields() -> list[Any]:
-            values = nvml.nvmlDeviceGetFieldValues(h, list(wanted.values()))
-            by_id = {int(v.fieldId): v for v in values}
-            return [self._field_value(by_id[fid]) if col in wanted else None for col, fid in fields.items()]
+            by_id = {int(v.fieldId): v for v in nvml.nvmlDeviceGetFieldValues(h, ids)}
+            return [decode(by_id[fid]) if col in wanted else None for col, fid in fields.items()]
+
+        def drop_field(column: str) -> None:
+            wanted.pop(column, None)
+            ids[:] = list(wanted.values())
 
         def read_clock_events() -> list[int]:
             getter = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
@@ -161,7 +167,7 @@ class NVMLBackend:
                 list(fields),
                 ["mW", "mW", "mJ"],
                 read_fields,
-                drop=lambda col: wanted.pop(col, None),
+                drop=drop_field,
                 counter_columns={f"{g}.energy_mj"},
             ),
             poller(
@@ -198,11 +204,12 @@ class NVMLBackend:
         kind = int(fv.valueType)
         if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
             return float(fv.value.dVal)
-        attr = {
-            nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-            nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-            nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-            nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-            nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-        }.get(kind, "ullVal")
-        return int(getattr(fv.value, attr))
+        if self._value_attrs is None:  # built once: this runs for every field at every tick
+            self._value_attrs = {
+                nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+                nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+                nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+                nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+                nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+            }
+        return int(getattr(fv.value, self._value_attrs.get(kind, "ullVal")))
