@@ -116,7 +116,7 @@ def integration(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU."""
     session.install(*[str(PACKAGES_DIR / p) for p in PACKAGES])
-    session.run("lmtrain", "demo", *session.posargs, env={"OMP_NUM_THREADS": TEST_ENV["OMP_NUM_THREADS"]})
+    session.run("lmtrain", "demo", *session.posargs)
 
 
 @nox.session(python="3.11")
