@@ -72,7 +72,7 @@ def test_close_stops_a_producer_blocked_on_a_full_queue(token_file):
     loader = Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=2)
     next(loader)
     deadline = time.monotonic() + 10
-    while loader._bg.queue.qsize() < 2 and time.monotonic() < deadline:
+    while not loader._bg.queue.full() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert loader._bg.queue.full()  # the producer is now blocked in put()
     thread = loader._bg
@@ -93,6 +93,44 @@ def test_background_generator_close_with_endless_producer():
     assert not bg.is_alive()
     with pytest.raises(StopIteration):
         next(bg)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])
+def test_grouped_hand_off_keeps_order_and_ends_after_a_partial_group(group):
+    bg = ClosableBackgroundGenerator(iter(range(10)), max_prefetch=4, group=group)
+    assert list(bg) == list(range(10))
+    assert bg.queue.maxsize == (max(1, 4 // group) if group > 1 else 4)
+    bg.join(5)
+    assert not bg.is_alive()
+
+
+def test_grouped_hand_off_delivers_items_before_the_exception():
+    def breaks_at_5():
+        yield from range(5)
+        raise KeyError("producer broke after 5 items")
+
+    bg = ClosableBackgroundGenerator(breaks_at_5(), max_prefetch=3, group=3)
+    assert [next(bg) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(KeyError, match="producer broke after 5 items"):
+        next(bg)
+    with pytest.raises(StopIteration):
+        next(bg)
+    bg.join(5)
+    assert not bg.is_alive()
+
+
+def test_grouped_close_discards_the_rest_of_a_group():
+    bg = ClosableBackgroundGenerator(iter(range(100)), max_prefetch=4, group=4)
+    assert next(bg) == 0  # items 1, 2, 3 of the first group are now held by the consumer side
+    bg.close()
+    assert not bg.is_alive()
+    with pytest.raises(StopIteration):
+        next(bg)
+
+
+def test_invalid_group():
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        ClosableBackgroundGenerator(iter(()), 3, group=0)
 
 
 def test_loader_with_block_exits_cleanly(token_file):
