@@ -151,3 +151,11 @@ def test_cuda_batches_are_on_the_device(token_file):
         x, y = next(loader)
         torch.cuda.synchronize()
     assert x.is_cuda and y.is_cuda and torch.equal(x[:, 1:].cpu(), y[:, :-1].cpu())
+
+
+@pytest.mark.parametrize("max_prefetch", [1, 2, 3, 5, 9])
+def test_loader_queue_holds_at_most_max_prefetch_batches(token_file, max_prefetch):
+    with Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=max_prefetch) as loader:
+        next(loader)
+        bg = loader._bg
+        assert 1 <= bg.group <= max_prefetch and bg.queue.maxsize * bg.group <= max_prefetch

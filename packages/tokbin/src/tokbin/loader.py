@@ -127,10 +127,12 @@ class ClosableBackgroundGenerator(BackgroundGenerator):
 class Loader:
     """Iterator of ``(inputs, targets)`` int64 (B, T) tensors from ``token_file`` in the order ``sampler`` gives.
 
-    Batches are gathered ``max_prefetch`` ahead in a background thread. ``state_dict()`` counts only the batches
-    already handed out, so saving it and later calling ``load_state_dict`` resumes with the very next batch the
-    consumer would have seen. With a CUDA ``device`` batches are pinned in the producer and copied with
-    ``non_blocking=True``. Use ``close()`` or a ``with`` block to stop the thread.
+    Batches are gathered ahead in a background thread and handed over ``min(max_prefetch, 4)`` per queue item
+    (one thread wake-up per group rather than per batch); at most ``max_prefetch`` batches wait in the queue.
+    ``state_dict()`` counts only the batches already handed out, so saving it and later calling
+    ``load_state_dict`` resumes with the very next batch the consumer would have seen. With a CUDA ``device``
+    batches are pinned in the producer and copied with ``non_blocking=True``. Use ``close()`` or a ``with`` block
+    to stop the thread.
 
     Example::
 
