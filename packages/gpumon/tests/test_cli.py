@@ -5,20 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from nvml_driver import driver_present
 
-
-def _driver_present() -> bool:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
-NO_DRIVER = not _driver_present()
+NO_DRIVER = not driver_present()
 needs_no_driver = pytest.mark.skipif(not NO_DRIVER, reason="an NVIDIA driver is present here")
 
 

@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+from nvml_driver import driver_present
 
 import gpumon
 from gpumon.fake_nvml import FakeNVML, two_gpus
@@ -60,19 +61,8 @@ def test_fake_without_driver_raises_one_line_reason(monkeypatch):
     assert "\n" not in str(info.value) and "Library Not Found" in str(info.value)
 
 
-def _real_driver_present() -> bool:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
-
-
 def test_real_binding_without_driver_raises_nvml_unavailable():
-    if _real_driver_present():
+    if driver_present():
         pytest.skip("an NVIDIA driver is present: the no-driver path cannot be exercised here")
     with pytest.raises(gpumon.NVMLUnavailable) as info:
         gpumon.devices()
