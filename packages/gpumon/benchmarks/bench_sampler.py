@@ -5,8 +5,10 @@ The baseline thread wakes on the same absolute-deadline grid and does no work: i
 
     python benchmarks/bench_sampler.py [--seconds 10] [--rate 100]
 
-A last row runs the fake NVML + host tick work back to back (no sleeping, caches warm): its CPU per tick,
-times the rate, is what the sampler would cost if waking up were free. Prints a table; the last line is
+"fake NVML calls alone" makes, in the same kind of thread, only the calls into the (fake) binding that a tick makes:
+what the binding costs before gpumon does anything with the values. A last row runs the fake NVML + host tick work
+back to back (no sleeping, caches warm): its CPU per tick, times the rate, is what the sampler would cost if
+waking up were free. Prints a table; the last line is
 `sampler_cpu_percent_at_100hz: <x>` for the fake-NVML + host configuration in its thread (what
 `Monitor(backend="auto")` samples on a GPU host), in percent of one core.
 """
@@ -19,13 +21,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpumon.fake_nvml import FakeNVML
 from gpumon.statistics import percentile
 
 
-def baseline(seconds: float, rate: float) -> dict[str, float]:
+def baseline(seconds: float, rate: float, work: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """A thread on the sampler's deadline grid that runs `work` at each wake-up (nothing by default)."""
     period, stamps, cpu = 1.0 / rate, [], [0.0]
 
     def run() -> None:
@@ -38,6 +42,7 @@ def baseline(seconds: float, rate: float) -> dict[str, float]:
             if now >= seconds:
                 break
             stamps.append(now)
+            work()
             k = max(k + 1, math.floor((time.monotonic() - t0) / period))
         cpu[0] = time.thread_time() - start_cpu
 
@@ -70,6 +75,18 @@ def monitored(seconds: float, rate: float, backend: str, out: Path) -> dict[str,
     }
 
 
+def driver_calls_only(seconds: float, rate: float) -> dict[str, float]:
+    """The NVML calls a tick makes (every-tick pollers of both fake GPUs), without the sampler around them."""
+    from gpumon.nvml_backend import NVMLBackend
+
+    nvml = NVMLBackend()
+    reads = [p.read for p in nvml.pollers if p.period_s == 0 and not p.blocking]
+    try:
+        return baseline(seconds, rate, lambda: [read() for read in reads])
+    finally:
+        nvml.close()
+
+
 def back_to_back(ticks: int, rate: float) -> dict[str, float]:
     """The same tick work (fake NVML + host, CSV written) run back to back: CPU per tick with warm caches."""
     from gpumon.host_backend import HostBackend
@@ -100,6 +117,7 @@ def main() -> None:
         rows["host backend"] = monitored(args.seconds, args.rate, "host", Path(tmp) / "host.csv")
         sys.modules["pynvml"] = FakeNVML()  # two simulated GPUs, every metric supported
         rows["fake NVML (2 GPUs) + host"] = monitored(args.seconds, args.rate, "auto", Path(tmp) / "auto.csv")
+        rows["fake NVML calls alone"] = driver_calls_only(args.seconds, args.rate)
     rows["same tick work, back to back"] = back_to_back(int(args.seconds * args.rate), args.rate)
     base_cpu = rows["do-nothing thread (baseline)"]["cpu_pct"]
     print(f"{args.seconds:g} s per configuration at {args.rate:g} Hz target")

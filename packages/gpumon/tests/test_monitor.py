@@ -197,3 +197,34 @@ def test_host_cpu_from_proc_matches_the_process_own_accounting():
     own = 100 * (after.user + after.system - before.user - before.system) / elapsed
     assert 0.0 < system_cpu <= 100.0
     assert tree_cpu == pytest.approx(own, abs=15.0)  # /proc counts in 10 ms ticks
+
+
+def test_thread_batches_reads_yet_latest_and_the_file_miss_nothing(tmp_path):
+    from gpumon.pollers import Poller
+    from gpumon.sampler import BATCH_S, Sampler
+
+    reads = []
+
+    def read():
+        reads.append(len(reads))
+        return [reads[-1]]
+
+    sampler = Sampler([Poller("n", "n", ["n.count"], ["count"], 0.0, read)], rate_hz=200, out=tmp_path / "n.csv")
+    sampler.start()
+    deadline = time.monotonic() + 5
+    while len(reads) < 5 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    sampler.mark("early")
+    # raw reads wait for their batch, but latest() already shows the newest of them
+    assert sampler.latest()["n.count"] >= 4
+    time.sleep(2 * BATCH_S)
+    sampler.mark("late", 1)
+    sampler.stop()
+    rec = Recording(tmp_path / "n.csv")
+    rows = list(rec.rows())
+    samples = [int(cells[0]) for _, kind, _, _, cells in rows if kind == "s"]
+    assert samples == list(range(len(reads)))  # every read, once, in order, each a fresh value
+    times = [t for t, *_ in rows]
+    assert times == sorted(times)  # marks sit between the samples they fall between
+    assert [label for _, kind, label, _, _ in rows if kind == "mark"] == ["early", "late"]
+    assert sampler.summary().samples == len(reads)

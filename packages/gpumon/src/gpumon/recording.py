@@ -47,6 +47,8 @@ class RecordingWriter:
         self._file = open(self.path, "w", newline="", buffering=1 << 16)  # noqa: SIM115 (closed in close())
         self._csv = csv.writer(self._file, lineterminator="\n")  # marks and errors: labels are arbitrary text
         self._write = self._file.write
+        self._line = io.StringIO()
+        self._line_csv = csv.writer(self._line, lineterminator="\n")
         self._file.write(MAGIC + json.dumps(meta, sort_keys=True) + "\n")
         self._csv.writerow(FIXED + columns)
         self._file.flush()
@@ -56,7 +58,18 @@ class RecordingWriter:
         self._write(f"{t:.6f},s,,,{','.join(cells)}\n")
 
     def event(self, t: float, kind: str, label: str, value: Any) -> None:
-        self._csv.writerow([f"{t:.6f}", kind, label, "" if value is None else value])
+        self._write(self.event_line(t, kind, label, value))
+
+    def event_line(self, t: float, kind: str, label: str, value: Any) -> str:
+        """A mark or error row, quoted by the csv module (labels are arbitrary text)."""
+        self._line.seek(0)
+        self._line.truncate()
+        self._line_csv.writerow([f"{t:.6f}", kind, label, "" if value is None else value])
+        return self._line.getvalue()
+
+    def write(self, lines: list[str]) -> None:
+        """Rows already formatted (sample rows from the sampler, event_line() for the others)."""
+        self._write("".join(lines))
 
     def flush(self) -> None:
         self._file.flush()
