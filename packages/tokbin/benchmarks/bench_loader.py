@@ -5,7 +5,7 @@ write_tokens, then times B x T random-window batches three ways, in this one run
 
   nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
   tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
-  tokbin Loader    the same through the default Loader (BackgroundGenerator thread, max_prefetch=3, which hands
+  tokbin Loader    the same through the default Loader (BackgroundGenerator thread, max_prefetch=3, which gathers and hands
                    the batches over 3 per queue item), as a training loop sees it
   Loader, busy     the same Loader with a consumer that sleeps 2 ms per batch (a training step that releases the
                    GIL, as a CUDA sync does): the time spent inside next() expressed as tokens/s, i.e. how fast
@@ -14,6 +14,8 @@ write_tokens, then times B x T random-window batches three ways, in this one run
                    64 MiB RAM array (so the source is not cache-resident) into a preallocated buffer
   raw file copy    np.copyto of the bytes one batch reads from the file (B*(T+1) uint16 = 32 KiB, one contiguous
                    slice of the memmap): the floor of any memmap loader, shown for context
+  hand-off         the round trip of an item between two threads through queue.Queue, for context: what one
+                   wake-up of a waiting thread costs on this machine
 
 Prints a table and ends with `loader_vs_nanogpt_recipe: <ratio>` (Loader vs recipe). Never asserts on time.
 Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N]
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +55,32 @@ def nanogpt_get_batch(path: Path, n_tokens: int, gen: torch.Generator) -> tuple[
     x = torch.stack([torch.from_numpy(data[i : i + T].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + T].astype(np.int64)) for i in ix])
     return x, y
+
+
+def hand_off_round_trip_us(n: int = 3000) -> float:
+    """Mean of n round trips of an item through two queue.Queue(1) between two threads, in us.
+
+    Context for the Loader rows: every queue item the consumer waits for costs at least one such one-way wake-up.
+    """
+    there, back = queue.Queue(1), queue.Queue(1)
+
+    def echo() -> None:
+        while (item := there.get()) is not None:
+            back.put(item)
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    for i in range(100):
+        there.put(i)
+        back.get()
+    t0 = time.perf_counter()
+    for i in range(n):
+        there.put(i)
+        back.get()
+    elapsed = time.perf_counter() - t0
+    there.put(None)
+    thread.join()
+    return elapsed / n * 1e6
 
 
 def interleaved_best(fns: dict, n_batches: int, rounds: int) -> dict:
@@ -154,6 +184,11 @@ def main() -> None:
     print(f"{'method':30} {'tokens/s':>14} {'batches/s':>10} {'vs recipe':>10} {'of bound':>9}")
     for name, rate in rows:
         print(f"{name:30} {rate:14,.0f} {rate / (B * T):10,.0f} {rate / recipe:9.2f}x {rate / bound:8.1%}")
+    round_trip = hand_off_round_trip_us()
+    print(
+        f"thread hand-off round trip (queue.Queue ping-pong, context): {round_trip:.0f} us; "
+        f"the gather alone takes {1e6 * B * T / gather:.0f} us per batch"
+    )
     print(f"gather_vs_nanogpt_recipe: {gather / recipe:.2f}")
     print(f"loader_fraction_of_bound: {loader_rate / bound:.3f}")
     print(f"loader_vs_nanogpt_recipe: {loader_rate / recipe:.2f}")

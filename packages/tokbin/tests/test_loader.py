@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokbin import ClosableBackgroundGenerator, EpochWindows, Loader, RandomWindows, write_tokens
+from tokbin import ClosableBackgroundGenerator, DynamicLength, EpochWindows, Loader, RandomWindows, write_tokens
 
 
 @pytest.fixture
@@ -51,20 +51,38 @@ def test_state_dict_counts_delivered_not_prefetched_batches(token_file):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
-def test_producer_exception_reaches_the_consumer(token_file):
+@pytest.mark.parametrize("bad_step", [0, 3, 4])  # the first batch, a group boundary, inside a group (3 per group)
+def test_producer_exception_reaches_the_consumer(token_file, bad_step):
     class Exploding(RandomWindows):
         def batch(self, step):
-            if step == 3:
-                raise RuntimeError("sampler broke at step 3")
+            if step == bad_step:
+                raise RuntimeError(f"sampler broke at step {bad_step}")
             return super().batch(step)
 
-    loader = Loader(token_file, Exploding(token_file.n_tokens, 16, 2, seed=0))
-    for _ in range(3):
-        next(loader)
-    with pytest.raises(RuntimeError, match="sampler broke at step 3"):
+    ref = RandomWindows(token_file.n_tokens, 16, 2, seed=0)
+    loader = Loader(token_file, Exploding(token_file.n_tokens, 16, 2, seed=0), max_prefetch=3)
+    for step in range(bad_step):  # every batch drawn before the failure arrives first, intact
+        x, _ = next(loader)
+        assert torch.equal(x, token_file.gather(*ref.batch(step))[0])
+    with pytest.raises(RuntimeError, match=f"sampler broke at step {bad_step}"):
         next(loader)
     loader.close()
     assert not _prefetch_threads()
+
+
+def test_loader_groups_follow_a_sequence_length_that_changes_every_batch(token_file):
+    lengths = [32, 64, 64, 128, 32, 32, 64]
+
+    def make():
+        return DynamicLength(token_file.n_tokens, 256, lambda step: lengths[step % len(lengths)], seed=4)
+
+    ref = make()
+    with Loader(token_file, make(), max_prefetch=4) as loader:
+        for step in range(2 * len(lengths)):
+            x, y = next(loader)
+            ex, ey = token_file.gather(*ref.batch(step))
+            assert x.shape == (256 // lengths[step % len(lengths)], lengths[step % len(lengths)])
+            assert torch.equal(x, ex) and torch.equal(y, ey) and x.is_contiguous() and y.is_contiguous()
 
 
 def test_close_stops_a_producer_blocked_on_a_full_queue(token_file):

@@ -171,6 +171,21 @@ def test_gather_shifts_targets_and_widens(tmp_path):
         tf.gather(np.array([5000 - 64]), 64)
 
 
+def test_gather_many_equals_separate_gathers(tmp_path):
+    rng = np.random.default_rng(3)
+    tf = write_tokens(tmp_path / "m.bin", rng.integers(0, 1000, size=5000), vocab_size=1000)
+    starts = [rng.integers(0, 5000 - 65, size=n) for n in (4, 1, 7)]  # batches of different sizes, one seq_len
+    got = tf.gather_many(starts, 64)
+    assert len(got) == 3
+    for st, (x, y) in zip(starts, got, strict=True):
+        ex, ey = tf.gather(st, 64)
+        assert torch.equal(x, ex) and torch.equal(y, ey) and x.is_contiguous() and y.is_contiguous()
+    with pytest.raises(IndexError, match="exceed the 5000 tokens"):
+        tf.gather_many([starts[0], np.array([5000 - 64])], 64)
+    with pytest.raises(ValueError, match="expected 1-D starts"):
+        tf.gather_many([starts[0], np.zeros((2, 2), dtype=np.int64)], 64)
+
+
 def test_pickle_reopens_by_path_instead_of_copying(tmp_path):
     import pickle
 

@@ -6,15 +6,18 @@ import queue
 import threading
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from prefetch_generator import BackgroundGenerator
 
 from tokbin.tokenfile import TokenFile
 
 _PUT_POLL_S = 0.05  # how often a producer blocked on a full queue checks for close()
-# Batches per queue item in Loader. Every queue hand-off wakes the consumer thread and makes the two threads trade
-# the GIL, which cost about as much as the gather itself on 2 shared cores (60-75 us per batch through the thread
-# against 23 us for the gather alone); handing batches over 3 or 4 at a time brought it to 30-40 us per batch.
+# Batches per queue item in Loader, and per gather_many call in its producer. Every queue hand-off wakes the
+# consumer thread and makes the two threads trade the GIL, which cost about as much as the gather itself on 2 shared
+# cores (60-75 us per batch through the thread against 23 us for the gather alone); handing batches over 3 or 4 at a
+# time brought it to 30-40 us per batch, and gathering them 3 or 4 at a time (one fancy index, one widening copy)
+# took the producer's Python per batch down too.
 _LOADER_GROUP = 4
 
 
@@ -149,26 +152,42 @@ class Loader:
         self.device = torch.device(device)
         self.max_prefetch = max_prefetch
         self._pin = self.device.type == "cuda"
+        self._group = min(max_prefetch, _LOADER_GROUP)  # batches per queue item, and per gather_many call
         self._next_step = sampler.step  # the step of the next batch the consumer will receive
         self._bg: ClosableBackgroundGenerator | None = None
 
     def _produce(self, first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        step = first_step
+        # batches are gathered a hand-off group at a time (TokenFile.gather_many: the two copies once per group,
+        # runs of equal seq_len together), then yielded one by one; a sampler error comes after the batches
+        # drawn before it
+        step, group = first_step, self._group
         while True:
-            starts, seq_len = self.sampler.batch(step)
-            x, y = self.token_file.gather(starts, seq_len)
-            if self._pin:
-                x, y = x.pin_memory(), y.pin_memory()
-            yield x, y
-            step += 1
+            specs: list[tuple[np.ndarray, int]] = []
+            failure: Exception | None = None
+            try:
+                while len(specs) < group:
+                    specs.append(self.sampler.batch(step + len(specs)))
+            except Exception as exc:
+                failure = exc
+            step += len(specs)
+            first = 0
+            while first < len(specs):
+                seq_len = specs[first][1]
+                last = first + 1
+                while last < len(specs) and specs[last][1] == seq_len:
+                    last += 1
+                starts = [st for st, _ in specs[first:last]]
+                yield from self.token_file.gather_many(starts, seq_len, pin_memory=self._pin)
+                first = last
+            if failure is not None:
+                raise failure
 
     def __iter__(self) -> Loader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bg is None:
-            group = min(self.max_prefetch, _LOADER_GROUP)
-            self._bg = ClosableBackgroundGenerator(self._produce(self._next_step), self.max_prefetch, group)
+            self._bg = ClosableBackgroundGenerator(self._produce(self._next_step), self.max_prefetch, self._group)
         x, y = next(self._bg)
         self._next_step += 1
         if self._pin:
