@@ -1,5 +1,8 @@
 """Fused causal attention with ALiBi positions: Triton kernels (forward and backward) and a plain-PyTorch path.
 
+Padded batches (B, H, T, D) go through `alibi_attention`; packed documents (total, H, D) with flash-attn-style
+`cu_seqlens` through `alibi_attention_varlen`.
+
 Example:
     >>> import torch
     >>> from alibi_kernels import alibi_attention, alibi_slopes
@@ -7,9 +10,9 @@ Example:
     >>> out = alibi_attention(q, k, v, alibi_slopes(8))  # (2, 8, 64, 32), causal by default
 """
 
-from alibi_kernels.attention import BACKENDS, alibi_attention, triton_unavailable_reason
+from alibi_kernels.attention import BACKENDS, alibi_attention, alibi_attention_varlen, triton_unavailable_reason
 from alibi_kernels.attention_torch import alibi_attention_torch, bias_cache_info, clear_bias_cache
-from alibi_kernels.reference import alibi_attention_reference, alibi_bias
+from alibi_kernels.reference import alibi_attention_reference, alibi_attention_varlen_reference, alibi_bias
 from alibi_kernels.slopes import alibi_slopes, alibi_slopes_list
 from alibi_kernels.version import __version__
 
@@ -19,6 +22,8 @@ __all__ = [
     "alibi_attention",
     "alibi_attention_reference",
     "alibi_attention_torch",
+    "alibi_attention_varlen",
+    "alibi_attention_varlen_reference",
     "alibi_bias",
     "alibi_slopes",
     "alibi_slopes_list",

@@ -1,4 +1,4 @@
-"""`alibi_attention`: the public entry point, which checks inputs and picks a backend."""
+"""`alibi_attention` and `alibi_attention_varlen`: the public entry points, which check inputs and pick a backend."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from alibi_kernels.attention_torch import torch_attention_checked
-from alibi_kernels.validation import check_attention_inputs
+from alibi_kernels.attention_torch import torch_attention_checked, torch_varlen_checked
+from alibi_kernels.validation import check_attention_inputs, check_varlen_inputs
 
-__all__ = ["alibi_attention", "BACKENDS", "triton_unavailable_reason"]
+__all__ = ["alibi_attention", "alibi_attention_varlen", "BACKENDS", "triton_unavailable_reason"]
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -65,17 +65,64 @@ def alibi_attention(
         >>> alibi_attention(q, k, v).shape
         torch.Size([1, 4, 10, 32])
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend_name(backend)
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
-    if backend == "auto":
-        use_triton = q.device.type == "cuda" and triton_unavailable_reason(q.device) is None
-        backend = "triton" if use_triton else "torch"
-    if backend == "torch":
+    if _resolve_backend(backend, q.device) == "torch":
         return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
-    reason = triton_unavailable_reason(q.device)
-    if reason is not None:
-        raise RuntimeError(f"backend='triton' cannot run here: {reason}")
     from alibi_kernels.attention_triton import triton_attention_checked
 
     return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
+
+
+def alibi_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    slopes: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """ALiBi self-attention over packed documents (flash-attn's varlen layout); positions restart in each document.
+
+    q: (total_tokens, Hq, D); k, v: (total_tokens, Hkv, D), Hq % Hkv == 0, 16 <= D <= 256. Document i is rows
+    cu_seqlens[i]:cu_seqlens[i+1] of q, k and v; `cu_seqlens` is a 1-D int32/int64 tensor on q's device that starts
+    at 0, never decreases (empty documents allowed) and ends at total_tokens. No query attends across a document
+    boundary; inside a document the bias is -slope_h * (pos_i - pos_j) with positions from 0, causal by default (the
+    same formula as `alibi_attention`, signed when not causal). `max_seqlen` (the longest document) is computed when
+    None; a given value must be at least the longest document. `slopes`: None (alibi_slopes(Hq)) or (Hq,)
+    float32/float64, shared by all documents; gradients reach q, k, v and slopes that require grad. `backend` as in
+    `alibi_attention`. Output: (total_tokens, Hq, D), q's dtype. cu_seqlens is read on the host once per call.
+
+    Example:
+        >>> q = torch.randn(30, 4, 32); k = v = torch.randn(30, 2, 32)
+        >>> alibi_attention_varlen(q, k, v, torch.tensor([0, 10, 10, 30])).shape  # documents of 10, 0, 20 tokens
+        torch.Size([30, 4, 32])
+    """
+    _check_backend_name(backend)
+    shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, slopes, softmax_scale)
+    if _resolve_backend(backend, q.device) == "torch":
+        return torch_varlen_checked(q, k, v, shape, slopes_2d, scale, causal)
+    from alibi_kernels.attention_triton import triton_varlen_checked
+
+    return triton_varlen_checked(q, k, v, cu_seqlens, shape.max_seqlen, slopes_2d, scale, causal)
+
+
+def _check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """ "torch" or "triton" for a checked call; RuntimeError saying why when "triton" was asked for and cannot run."""
+    if backend == "auto":
+        use_triton = device.type == "cuda" and triton_unavailable_reason(device) is None
+        return "triton" if use_triton else "torch"
+    if backend == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"backend='triton' cannot run here: {reason}")
+    return backend

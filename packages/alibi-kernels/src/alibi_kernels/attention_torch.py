@@ -3,6 +3,7 @@
 GQA/MQA never copies k/v: the Hq = Hkv * G query heads are folded into the query axis,
 q (B, Hq, Tq, D) -> (B, Hkv, G * Tq, D), so each k/v head is attended by its G query heads in one SDPA call
 (works on every torch version and every SDPA backend, unlike `enable_gqa`, which needs torch >= 2.5).
+Packed documents (`cu_seqlens`) loop over the documents, each a (1, H, T_doc, D) view of the packed tensors.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from alibi_kernels.validation import AttentionShape, check_attention_inputs
+from alibi_kernels.validation import AttentionShape, VarlenShape, check_attention_inputs
 
 __all__ = [
     "alibi_attention_torch",
     "torch_attention_checked",
+    "torch_varlen_checked",
     "bias_cache_info",
     "clear_bias_cache",
     "MAX_BIAS_ELEMENTS",
@@ -178,3 +180,31 @@ def torch_attention_checked(
         bias = _grouped(_bias_block(slopes_2d, start + off, stop - start, n_keys, causal, dtype), shape.kv_heads)
         outs.append(_attend(qc[:, :, start:stop], kc[:, :, :n_keys], vc[:, :, :n_keys], bias, shape, scale))
     return torch.cat(outs, dim=2).to(q.dtype)  # (B, Hq, Tq, D)
+
+
+def torch_varlen_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shape: VarlenShape,
+    slopes_2d: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Packed documents on the torch path, inputs already checked by `check_varlen_inputs`: (total, Hq, D).
+
+    One torch-path call per non-empty document on (1, H, T_doc, D) views (no copies of the packed tensors); the
+    bias cache then holds one entry per distinct document length.
+    """
+    outs = []
+    for start, stop in shape.documents():
+        n = stop - start
+        if n == 0:
+            continue
+        doc = AttentionShape(1, shape.q_heads, shape.kv_heads, n, n, shape.head_dim)
+        q_doc, k_doc, v_doc = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T_doc, D)
+        out = torch_attention_checked(q_doc, k_doc, v_doc, doc, slopes_2d, scale, causal)
+        outs.append(out[0].transpose(0, 1))  # (T_doc, Hq, D)
+    if not outs:  # every document is empty, so total_tokens is 0
+        return q[:0].clone()
+    return torch.cat(outs)  # (total, Hq, D)

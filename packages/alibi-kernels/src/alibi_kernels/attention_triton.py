@@ -4,11 +4,16 @@ On CUDA every kernel is autotuned per head-dim class (<= 64, <= 128, 256); the t
 length bucket (<= 512, <= 2048, longer), the head dim, causality and the dtypes. ALIBI_KERNELS_AUTOTUNE=0 skips
 tuning and launches each class's first config. Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small tile
 is used, so the interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
+
+Packed documents (`cu_seqlens`) run through the same kernels and the same autograd Function with VARLEN set: the
+"batch" program index is the document, the grid's sequence axis covers max_seqlen, and a packed (total, H, D) tensor
+is passed with a batch stride of 0 (the kernels add cu_seqlens[doc] times the token stride).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,7 +22,7 @@ from alibi_kernels.triton_backward import alibi_bwd_dkdv_kernel, alibi_bwd_dq_ke
 from alibi_kernels.triton_forward import LOG2E, alibi_fwd_kernel, forward_configs
 from alibi_kernels.validation import check_attention_inputs
 
-__all__ = ["alibi_attention_triton", "triton_attention_checked", "INTERPRETED"]
+__all__ = ["alibi_attention_triton", "triton_attention_checked", "triton_varlen_checked", "INTERPRETED"]
 
 # triton.jit decides at import time whether kernels are interpreted; record that decision.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -75,92 +80,126 @@ def _t_bucket(tq: int, tk: int) -> int:
     return 512 if t <= 512 else (2048 if t <= 2048 else 8192)
 
 
-def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
-    return tuple(t.stride())  # type: ignore[return-value]
+@dataclass(frozen=True)
+class _Layout:
+    """How the kernels see one call: a (B, H, T, D) batch, or packed (total, H, D) documents (VARLEN)."""
+
+    n_seq: int  # batch size, or number of documents
+    q_len: int  # the kernels' Tq argument: Tq, or the total packed tokens (the row stride of Lse)
+    k_len: int  # the kernels' Tk argument: Tk, or the total packed tokens (unused by the kernels)
+    grid_q: int  # query rows the grid covers: Tq, or max_seqlen
+    grid_k: int  # key rows the grid covers: Tk, or max_seqlen
+    varlen: bool
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None) -> _Layout:
+        if cu_seqlens is None:  # (B, H, T, D)
+            return _Layout(q.shape[0], q.shape[2], k.shape[2], q.shape[2], k.shape[2], False)
+        total = q.shape[0]  # (total, H, D)
+        return _Layout(cu_seqlens.numel() - 1, total, total, max_seqlen, max_seqlen, True)
+
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:
+        """(batch, head, token, dim) strides; packed tensors have no batch axis: the kernels add cu_seqlens[doc]."""
+        if self.varlen:
+            return (0, t.stride(1), t.stride(0), t.stride(2))
+        return tuple(t.stride())  # type: ignore[return-value]
+
+    def lse_shape(self, heads: int) -> tuple[int, int]:
+        return (heads, self.q_len) if self.varlen else (self.n_seq * heads, self.q_len)
 
 
 class _AlibiAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes_2d, causal: bool, scale: float):
-        b, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
+    def forward(ctx, q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None):
+        layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
+        if cu_seqlens is None:
+            cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)  # never read without VARLEN
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
         slopes32 = slopes_2d.detach().to(torch.float32).contiguous()  # (1 or B, Hq)
         stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D)
-        lse = torch.empty((b * hq, tq), device=q.device, dtype=torch.float32)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D) or (total, Hq, D)
+        lse = torch.empty(layout.lse_shape(hq), device=q.device, dtype=torch.float32)
         block_d = triton.next_power_of_2(d)
         common = {
             "HEAD_DIM": d,
             "BLOCK_D": block_d,
             "IS_CAUSAL": causal,
+            "VARLEN": layout.varlen,
             **_dot_options(q.dtype),
         }
-        t_bucket = _t_bucket(tq, tk)
+        t_bucket = _t_bucket(layout.grid_q, layout.grid_k)
 
         def grid(meta):
-            return (triton.cdiv(tq, meta["BLOCK_M"]), b * hq)
+            return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
 
-        _kernel("fwd", block_d)[grid](
-            q, k, v, slopes32, out, lse,
-            *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), stride_sb, slopes32.stride(1),
-            hq, hq // hkv, tq, tk, scale * LOG2E, t_bucket,
-            **common, **_launch_options("fwd", block_d, q.dtype),
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, slopes32)
-        ctx.causal, ctx.scale, ctx.slopes_shape = causal, scale, slopes_2d.shape
+        if layout.grid_q > 0:  # packed inputs of only empty documents launch nothing
+            st = layout.strides
+            _kernel("fwd", block_d)[grid](
+                q, k, v, slopes32, out, lse, cu_seqlens,
+                *st(q), *st(k), *st(v), *st(out), stride_sb, slopes32.stride(1),
+                hq, hq // hkv, layout.q_len, layout.k_len, scale * LOG2E, t_bucket,
+                **common, **_launch_options("fwd", block_d, q.dtype),
+            )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, slopes32, cu_seqlens)
+        ctx.causal, ctx.scale, ctx.slopes_shape, ctx.layout = causal, scale, slopes_2d.shape, layout
         ctx.slopes_dtype = slopes_2d.dtype
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, slopes32 = ctx.saved_tensors
-        b, hq, tq, d = q.shape
-        hkv, tk = k.shape[1], k.shape[2]
+        q, k, v, out, lse, slopes32, cu_seqlens = ctx.saved_tensors
+        layout: _Layout = ctx.layout
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
         block_d = triton.next_power_of_2(d)
         stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
-        delta = (out.float() * do.float()).sum(-1).reshape(b * hq, tq)  # (B*Hq, Tq)
-        dq = torch.empty((b, hq, tq, d), device=q.device, dtype=q.dtype)
-        dk = torch.empty((b, hkv, tk, d), device=q.device, dtype=k.dtype)
-        dv = torch.empty((b, hkv, tk, d), device=q.device, dtype=v.dtype)
+        delta = (out.float() * do.float()).sum(-1)  # (B, Hq, Tq) or (total, Hq)
+        delta = delta.t().contiguous() if layout.varlen else delta.reshape(lse.shape)  # lse's layout
+        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, as the kernels write it
+        dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
         slope_grad = ctx.needs_input_grad[3]
-        t_bucket = _t_bucket(tq, tk)
         common = {
             "HEAD_DIM": d,
             "BLOCK_D": block_d,
             "IS_CAUSAL": ctx.causal,
+            "VARLEN": layout.varlen,
             **_dot_options(q.dtype),
         }
-        strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), stride_sb, slopes32.stride(1))
-        scales = (ctx.scale, ctx.scale * LOG2E, t_bucket)
+        st = layout.strides
+        strides = (*st(q), *st(k), *st(v), *st(do), stride_sb, slopes32.stride(1))
+        scales = (ctx.scale, ctx.scale * LOG2E, _t_bucket(layout.grid_q, layout.grid_k))
+        sizes = (layout.q_len, layout.k_len)
 
         def grid_kv(meta):
-            return (triton.cdiv(tk, meta["BLOCK_N"]), b * hkv)
+            return (triton.cdiv(layout.grid_k, meta["BLOCK_N"]), layout.n_seq * hkv)
 
-        _kernel("dkdv", block_d)[grid_kv](
-            q, k, v, slopes32, do, lse, delta, dk, dv, *strides, hq, hkv, hq // hkv, tq, tk, *scales, **common,
-            **_launch_options("dkdv", block_d, q.dtype),
-        )  # fmt: skip
-
-        # Partial slope gradients, one per (batch*head, query block); sized for the smallest candidate BLOCK_M.
+        # Partial slope gradients, one per (sequence*head, query block); sized for the smallest candidate BLOCK_M.
         min_block_m = _INTERPRETER_BLOCK if INTERPRETED else 32
-        dslope_parts = torch.zeros((b * hq, triton.cdiv(tq, min_block_m)), device=q.device, dtype=torch.float32)
+        dslope_parts = torch.zeros(
+            (layout.n_seq * hq, triton.cdiv(layout.grid_q, min_block_m)), device=q.device, dtype=torch.float32
+        )
 
         def grid_q(meta):
-            return (triton.cdiv(tq, meta["BLOCK_M"]), b * hq)
+            return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
 
-        _kernel("dq", block_d)[grid_q](
-            q, k, v, slopes32, do, lse, delta, dq, dslope_parts, dslope_parts.stride(0),
-            *strides, hq, hq // hkv, tq, tk, *scales,
-            SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d, q.dtype),
-        )  # fmt: skip
+        if layout.grid_q > 0:
+            _kernel("dkdv", block_d)[grid_kv](
+                q, k, v, slopes32, do, lse, delta, dk, dv, cu_seqlens, *strides, hq, hkv, hq // hkv, *sizes,
+                *scales, **common, **_launch_options("dkdv", block_d, q.dtype),
+            )  # fmt: skip
+            _kernel("dq", block_d)[grid_q](
+                q, k, v, slopes32, do, lse, delta, dq, dslope_parts, cu_seqlens, dslope_parts.stride(0),
+                *strides, hq, hq // hkv, *sizes, *scales,
+                SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d, q.dtype),
+            )  # fmt: skip
 
         dslopes = None
         if slope_grad:
-            dslopes = dslope_parts.sum(-1).reshape(b, hq)
+            dslopes = dslope_parts.sum(-1).reshape(layout.n_seq, hq)
             if ctx.slopes_shape[0] == 1:
                 dslopes = dslopes.sum(0, keepdim=True)
             dslopes = dslopes.to(ctx.slopes_dtype)
-        return dq, dk, dv, dslopes, None, None
+        return dq, dk, dv, dslopes, None, None, None, None
 
 
 def alibi_attention_triton(
@@ -190,6 +229,26 @@ def triton_attention_checked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slopes_2d: torch.Tensor, scale: float, causal: bool
 ) -> torch.Tensor:
     """The Triton path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
+    _check_runnable(q)
+    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale)
+
+
+def triton_varlen_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    slopes_2d: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Packed documents on the Triton path, inputs already checked by `check_varlen_inputs`: (total, Hq, D)."""
+    _check_runnable(q)
+    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale, cu_seqlens.contiguous(), max_seqlen)
+
+
+def _check_runnable(q: torch.Tensor) -> None:
     if q.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "the Triton kernels were imported in compiled mode; CPU tensors need TRITON_INTERPRET=1 set before "
@@ -197,4 +256,3 @@ def triton_attention_checked(
         )
     if q.dtype == torch.float64:
         raise ValueError("backend='triton' supports float16, bfloat16 and float32 inputs, got torch.float64")
-    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from alibi_kernels.validation import check_attention_inputs
+from alibi_kernels.validation import check_attention_inputs, check_varlen_inputs
 
-__all__ = ["alibi_attention_reference", "alibi_bias"]
+__all__ = ["alibi_attention_reference", "alibi_attention_varlen_reference", "alibi_bias"]
 
 
 def alibi_bias(
@@ -61,3 +61,35 @@ def alibi_attention_reference(
     bias = alibi_bias(slopes_2d, shape.q_len, shape.k_len, causal=causal, dtype=compute_dtype, device=q.device)
     probs = torch.softmax(scores + bias, dim=-1)
     return torch.matmul(probs, v)  # (B, Hq, Tq, D)
+
+
+def alibi_attention_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slopes: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Packed documents the obvious way: `alibi_attention_reference` on each document alone; returns compute_dtype.
+
+    q: (total, Hq, D), k/v: (total, Hkv, D), document i = rows cu_seqlens[i]:cu_seqlens[i+1]. Output (total, Hq, D).
+
+    Example:
+        >>> q = k = v = torch.randn(7, 2, 16)
+        >>> alibi_attention_varlen_reference(q, k, v, torch.tensor([0, 3, 7])).shape
+        torch.Size([7, 2, 16])
+    """
+    shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, None, slopes, softmax_scale)
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    for start, stop in shape.documents():
+        if stop > start:
+            q_doc, k_doc, v_doc = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D)
+            out_doc = alibi_attention_reference(
+                q_doc, k_doc, v_doc, slopes_2d[0], causal=causal, softmax_scale=scale, compute_dtype=compute_dtype
+            )
+            out[start:stop] = out_doc[0].transpose(0, 1)
+    return out  # (total, Hq, D)

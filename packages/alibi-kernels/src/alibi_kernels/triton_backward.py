@@ -7,6 +7,8 @@ diagonal), accumulating dK and dV in fp32 registers (no atomics, no per-head buf
 when asked, this block's share of the slope gradient sum_ij dS_ij * (pos_j - pos_i).
 With P = softmax(S) and Delta_i = sum_d dO_id * O_id: dS = P * (dP - Delta), dQ = scale dS K, dK = scale dS^T Q,
 dV = P^T dO.
+With VARLEN both kernels run packed documents, as the forward does (see `alibi_fwd_kernel`): Lse and Delta are then
+(Hq, total) and dQ, dK, dV are contiguous (total, H, D).
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def alibi_bwd_dkdv_kernel(
     V,  # (B, Hkv, Tk, D) values, any strides
     Slopes,  # (B or 1, Hq) fp32
     DO,  # (B, Hq, Tq, D) gradient of the output, any strides
-    Lse,  # (B * Hq, Tq) fp32, log2 units, from the forward
-    Delta,  # (B * Hq, Tq) fp32 rowsum(dO * O)
-    DK,  # (B, Hkv, Tk, D) output, contiguous
-    DV,  # (B, Hkv, Tk, D) output, contiguous
+    Lse,  # (B * Hq, Tq) fp32, log2 units, from the forward; (Hq, total) with VARLEN
+    Delta,  # (B * Hq, Tq) fp32 rowsum(dO * O); (Hq, total) with VARLEN
+    DK,  # (B, Hkv, Tk, D) output, contiguous; (total, Hkv, D) with VARLEN
+    DV,  # (B, Hkv, Tk, D) output, contiguous; (total, Hkv, D) with VARLEN
+    CuSeqlens,  # (documents + 1,) int document boundaries; read only with VARLEN
     stride_qb,
     stride_qh,
     stride_qm,
@@ -109,8 +112,8 @@ def alibi_bwd_dkdv_kernel(
     H,  # query heads
     HKV,  # k/v heads
     GROUP,  # query heads per k/v head
-    Tq,
-    Tk,
+    Tq,  # queries; with VARLEN the total packed tokens (the row stride of Lse and Delta)
+    Tk,  # keys; unused with VARLEN
     sm_scale,  # softmax scale (natural units)
     qk_scale,  # softmax scale * log2(e)
     T_BUCKET,  # autotuning key only
@@ -121,20 +124,29 @@ def alibi_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed documents: b is the document, strides *_b are 0, rows start at cu_seqlens[b]
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bhkv = tl.program_id(1)
     b = (bhkv // HKV).to(tl.int64)
     hkv = (bhkv % HKV).to(tl.int64)
+    seq0 = b * 0  # first token of the sequence in the token axis
+    lse_b = b * H * Tq  # Lse/Delta offset of (sequence, head 0); head h adds h * Tq
+    lse_h = Tq
+    if VARLEN:
+        seq0 = tl.load(CuSeqlens + b).to(tl.int64)
+        lse_b = seq0
+        Tq = (tl.load(CuSeqlens + b + 1) - seq0).to(tl.int32)
+        Tk = Tq
+        if start_n >= Tk:  # the grid covers max_seqlen; shorter documents have nothing here
+            return
     offset = Tk - Tq
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = load_tile(
-        K + b * stride_kb + hkv * stride_kh, offs_n, offs_d, stride_kn, stride_kd, Tk, True, HEAD_DIM, BLOCK_D
-    )
-    v = load_tile(
-        V + b * stride_vb + hkv * stride_vh, offs_n, offs_d, stride_vn, stride_vd, Tk, True, HEAD_DIM, BLOCK_D
-    )
+    k_base = K + b * stride_kb + seq0 * stride_kn + hkv * stride_kh
+    v_base = V + b * stride_vb + seq0 * stride_vn + hkv * stride_vh
+    k = load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, Tk, True, HEAD_DIM, BLOCK_D)
+    v = load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, Tk, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -159,12 +171,11 @@ def alibi_bwd_dkdv_kernel(
 
     for g in range(0, GROUP):
         h = hkv * GROUP + g
-        bh = b * H + h
         slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        lse_base = Lse + bh * Tq
-        delta_base = Delta + bh * Tq
+        q_base = Q + b * stride_qb + seq0 * stride_qm + h * stride_qh
+        do_base = DO + b * stride_dob + seq0 * stride_dom + h * stride_doh
+        lse_base = Lse + lse_b + h * lse_h
+        delta_base = Delta + lse_b + h * lse_h
         dk, dv = _dkdv_inner(
             dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
             stride_dod, lo, a, offset, slope2, qk_scale, Tq, Tk,
@@ -182,7 +193,10 @@ def alibi_bwd_dkdv_kernel(
         )  # fmt: skip
     dk = dk * sm_scale
     kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)
-    out_off = bhkv.to(tl.int64) * Tk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    if VARLEN:
+        out_off = (seq0 + offs_n[:, None]) * (HKV * HEAD_DIM) + hkv * HEAD_DIM + offs_d[None, :]
+    else:
+        out_off = bhkv.to(tl.int64) * Tk * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -249,10 +263,11 @@ def alibi_bwd_dq_kernel(
     V,  # (B, Hkv, Tk, D) values, any strides
     Slopes,  # (B or 1, Hq) fp32
     DO,  # (B, Hq, Tq, D) gradient of the output, any strides
-    Lse,  # (B * Hq, Tq) fp32, log2 units
-    Delta,  # (B * Hq, Tq) fp32
-    DQ,  # (B, Hq, Tq, D) output, contiguous
+    Lse,  # (B * Hq, Tq) fp32, log2 units; (Hq, total) with VARLEN
+    Delta,  # (B * Hq, Tq) fp32; (Hq, total) with VARLEN
+    DQ,  # (B, Hq, Tq, D) output, contiguous; (total, Hq, D) with VARLEN
     DSlope,  # (B * Hq, >= cdiv(Tq, BLOCK_M)) fp32 partial slope gradients (written only if SLOPE_GRAD)
+    CuSeqlens,  # (documents + 1,) int document boundaries; read only with VARLEN
     stride_dsl,  # DSlope row stride
     stride_qb,
     stride_qh,
@@ -274,8 +289,8 @@ def alibi_bwd_dq_kernel(
     stride_sh,
     H,
     GROUP,
-    Tq,
-    Tk,
+    Tq,  # queries; with VARLEN the total packed tokens (the row stride of Lse and Delta)
+    Tk,  # keys; unused with VARLEN
     sm_scale,
     qk_scale,
     T_BUCKET,  # autotuning key only
@@ -287,6 +302,7 @@ def alibi_bwd_dq_kernel(
     SLOPE_GRAD: tl.constexpr,  # also accumulate sum dS * (pos_j - pos_i) for learnable slopes
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed documents: b is the document, strides *_b are 0, rows start at cu_seqlens[b]
 ):
     pid_m = tl.program_id(0)
     start_m = pid_m * BLOCK_M
@@ -294,22 +310,32 @@ def alibi_bwd_dq_kernel(
     b = bh // H
     h = bh % H
     hkv = h // GROUP
+    seq0 = b * 0  # first token of the sequence in the token axis
+    lse_off = bh * Tq
+    if VARLEN:
+        seq0 = tl.load(CuSeqlens + b).to(tl.int64)
+        lse_off = h * Tq + seq0
+        Tq = (tl.load(CuSeqlens + b + 1) - seq0).to(tl.int32)
+        Tk = Tq
+        if start_m >= Tq:  # the grid covers max_seqlen; shorter documents have nothing here
+            return
     offset = Tk - Tq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     pos_i = offs_m + offset
     row_ok = offs_m < Tq
-    q = load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
-    do = load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom, stride_dod, Tq, True,
-                   HEAD_DIM, BLOCK_D)  # fmt: skip
+    q_base = Q + b * stride_qb + seq0 * stride_qm + h * stride_qh
+    do_base = DO + b * stride_dob + seq0 * stride_dom + h * stride_doh
+    q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
+    do = load_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, Tq, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(Lse + bh * Tq + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + bh * Tq + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(Lse + lse_off + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + lse_off + offs_m, mask=row_ok, other=0.0)
     slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
-    k_base = K + b * stride_kb + hkv * stride_kh
-    v_base = V + b * stride_vb + hkv * stride_vh
+    k_base = K + b * stride_kb + seq0 * stride_kn + hkv * stride_kh
+    v_base = V + b * stride_vb + seq0 * stride_vn + hkv * stride_vh
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dslope = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -334,7 +360,10 @@ def alibi_bwd_dq_kernel(
     )  # fmt: skip
     dq = dq * sm_scale
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    dq_off = bh * Tq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    if VARLEN:
+        dq_off = (seq0 + offs_m[:, None]) * (H * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
+    else:
+        dq_off = bh * Tq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=q_mask)
     if SLOPE_GRAD:
         tl.store(DSlope + bh * stride_dsl + pid_m, tl.sum(dslope, 0))

@@ -4,6 +4,8 @@ One program handles BLOCK_M query rows of one (batch, query head). Scores are ke
 (scale and slope pre-multiplied by log2(e)) so the softmax uses exp2. Fully visible key blocks run without any
 mask; only the blocks that cross the causal diagonal or the end of the keys are masked; blocks above the diagonal
 are never visited. Head dims that are not powers of two are padded to BLOCK_D with masked loads.
+With VARLEN the same kernel runs packed documents (cu_seqlens): program axis 1 is (document, head), rows start at
+cu_seqlens[doc], each document is its own sequence (positions from 0, no attention across documents).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def alibi_fwd_kernel(
     V,  # (B, Hkv, Tk, D) values, any strides
     Slopes,  # (B or 1, Hq) fp32 slopes; stride_sb = 0 broadcasts one row over the batch
     Out,  # (B, Hq, Tq, D) output, any strides
-    Lse,  # (B * Hq, Tq) fp32 log-sum-exp in log2 units, saved for the backward
+    Lse,  # (B * Hq, Tq) fp32 log-sum-exp in log2 units, saved for the backward; (Hq, total) with VARLEN
+    CuSeqlens,  # (documents + 1,) int document boundaries in the token axis; read only with VARLEN
     stride_qb,
     stride_qh,
     stride_qm,
@@ -121,10 +124,10 @@ def alibi_fwd_kernel(
     stride_sh,
     H,  # query heads
     GROUP,  # query heads per k/v head (GQA): hkv = h // GROUP
-    Tq,  # number of queries
-    Tk,  # number of keys
+    Tq,  # number of queries; with VARLEN the total packed tokens (the row stride of Lse)
+    Tk,  # number of keys; unused with VARLEN (each document attends to itself)
     qk_scale,  # softmax scale * log2(e)
-    T_BUCKET,  # next power of two of max(Tq, Tk): only an autotuning key
+    T_BUCKET,  # coarse bucket of max(Tq, Tk) (max_seqlen with VARLEN): only an autotuning key
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_M: tl.constexpr,
@@ -132,12 +135,22 @@ def alibi_fwd_kernel(
     IS_CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed documents: b is the document, strides *_b are 0, rows start at cu_seqlens[b]
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64 base offsets: B * H * T * D may exceed 2^31
     h = (bh % H).to(tl.int64)
     hkv = h // GROUP
+    seq0 = b * 0  # first token of the sequence in the token axis
+    lse_row = Lse + bh.to(tl.int64) * Tq
+    if VARLEN:
+        seq0 = tl.load(CuSeqlens + b).to(tl.int64)
+        lse_row = Lse + h * Tq + seq0
+        Tq = (tl.load(CuSeqlens + b + 1) - seq0).to(tl.int32)
+        Tk = Tq
+        if start_m >= Tq:  # the grid covers max_seqlen; shorter documents have nothing here
+            return
     offset = Tk - Tq
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -145,11 +158,12 @@ def alibi_fwd_kernel(
 
     slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
     q_mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < HEAD_DIM)
-    q = load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
+    q_base = Q + b * stride_qb + seq0 * stride_qm + h * stride_qh
+    q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + b * stride_kb + hkv * stride_kh
-    v_base = V + b * stride_vb + hkv * stride_vh
+    k_base = K + b * stride_kb + seq0 * stride_kn + hkv * stride_kh
+    v_base = V + b * stride_vb + seq0 * stride_vn + hkv * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -174,8 +188,9 @@ def alibi_fwd_kernel(
 
     acc = acc / l_i[:, None]
     row_ok = offs_m < Tq
-    tl.store(Lse + bh.to(tl.int64) * Tq + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
-    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(lse_row + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+    o_base = Out + b * stride_ob + seq0 * stride_om + h * stride_oh
+    o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=q_mask)
 
 
