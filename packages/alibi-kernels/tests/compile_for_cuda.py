@@ -25,6 +25,7 @@ from alibi_kernels.triton_forward import alibi_fwd_kernel  # noqa: E402
 
 POINTERS = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"}
 FP32_POINTERS = {"Slopes", "Lse", "Delta", "DSlope"}
+INT32_POINTERS = {"CuSeqlens"}
 FLOATS = {"qk_scale", "sm_scale"}
 
 
@@ -39,6 +40,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[name] = f"*{dtype}"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
+        elif name in INT32_POINTERS:
+            sig[name] = "*i32"
         else:
             sig[name] = "i32"
     return sig
@@ -48,15 +51,19 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 or 90")
     parser.add_argument("--full", action="store_true", help="every dtype x head dim x causality, not a covering set")
+    parser.add_argument("--varlen-only", action="store_true", help="only the packed-document (VARLEN) variants")
     args = parser.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
     if args.full:
-        cases = list(itertools.product(["fp16", "bf16", "fp32"], [64, 80, 128, 256], [True, False]))
-    else:  # every kernel once per dtype; padded and unpadded head dims; both causal branches
-        cases = [("fp16", 80, True), ("bf16", 128, False), ("fp32", 64, True)]
+        cases = list(itertools.product(["fp16", "bf16", "fp32"], [64, 80, 128, 256], [True, False], [False, True]))
+    else:  # every kernel once per dtype; padded and unpadded head dims; both causal branches; packed documents
+        cases = [("fp16", 80, True, False), ("bf16", 128, False, False), ("fp32", 64, True, False)]
+        cases += [("bf16", 80, True, True)]
+    if args.varlen_only:
+        cases = [case for case in cases if case[3]]
     kernels = [(alibi_fwd_kernel, {}), (alibi_bwd_dkdv_kernel, {}), (alibi_bwd_dq_kernel, {"SLOPE_GRAD": True})]
     failures = 0
-    for (fn, extra), (dtype, d, causal) in itertools.product(kernels, cases):
+    for (fn, extra), (dtype, d, causal, varlen) in itertools.product(kernels, cases):
         constexprs = {
             "HEAD_DIM": d,
             "BLOCK_D": triton.next_power_of_2(d),
@@ -65,15 +72,17 @@ def main() -> int:
             "IS_CAUSAL": causal,
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+            "VARLEN": varlen,
             **extra,
         }
         src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
         try:
             compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 2})
-            print(f"ok   {fn.__name__} {dtype} D={d} causal={causal} shared={compiled.metadata.shared} B")
+            shared = compiled.metadata.shared
+            print(f"ok   {fn.__name__} {dtype} D={d} causal={causal} varlen={varlen} shared={shared} B")
         except Exception as exc:  # report every failing kernel, not only the first
             failures += 1
-            print(f"FAIL {fn.__name__} {dtype} D={d} causal={causal}: {type(exc).__name__}: {exc}")
+            print(f"FAIL {fn.__name__} {dtype} D={d} causal={causal} varlen={varlen}: {type(exc).__name__}: {exc}")
     return 1 if failures else 0
 
 

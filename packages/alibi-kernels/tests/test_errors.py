@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-from alibi_kernels import alibi_attention
+from alibi_kernels import alibi_attention, alibi_attention_varlen
 
 
 def qkv(b=2, hq=4, hkv=2, tq=8, tk=8, d=16, dtype=torch.float32):
@@ -78,3 +80,67 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
 def test_auto_on_cpu_uses_the_torch_path_even_under_the_interpreter():
     q, k, v = qkv()
     assert torch.equal(alibi_attention(q, k, v), alibi_attention(q, k, v, backend="torch"))
+
+
+def packed(total=10, hq=4, hkv=2, d=16, dtype=torch.float32):
+    return (
+        torch.randn(total, hq, d, dtype=dtype),
+        torch.randn(total, hkv, d, dtype=dtype),
+        torch.randn(total, hkv, d, dtype=dtype),
+    )
+
+
+CU = torch.tensor([0, 4, 10], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "auto"])
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        (lambda: (*qkv(), CU), r"q must have rank 3 \(total_tokens, H, D\), got shape \(2, 4, 8, 16\)"),
+        (lambda: (packed()[0], torch.randn(10, 2), packed()[2], CU), r"k must have rank 3 .* got shape \(10, 2\)"),
+        (lambda: (*packed()[:2], torch.randn(10, 3, 16), CU), r"k and v must have the same shape \(total_tokens, Hkv"),
+        (lambda: (packed()[0], *packed(total=12)[1:], CU), r"total_tokens mismatch: q \(10, 4, 16\) has 10 .* 12"),
+        (lambda: (packed()[0], *packed(d=32)[1:], CU), r"head dim mismatch: q \(10, 4, 16\) has D=16, k .* D=32"),
+        (lambda: (*packed(hq=6, hkv=4), CU), r"multiple of k/v heads.*Hq=6.*Hkv=4"),
+        (lambda: (*packed(d=8), CU), r"head dim D=8 of q \(10, 4, 8\) is outside 16..256"),
+        (lambda: (*packed(d=264), CU), r"head dim D=264 .* outside 16..256"),
+        (
+            lambda: (packed()[0], packed()[1].double(), packed()[2], CU),
+            r"share one dtype, got q torch.float32, k",
+        ),
+        (lambda: (packed()[0], packed()[1].to("meta"), packed()[2], CU), r"one device, got q on cpu, k on meta"),
+        (lambda: (*packed(), [0, 4, 10]), r"cu_seqlens must be a 1-D int32 or int64 torch.Tensor, got list"),
+        (lambda: (*packed(), CU.float()), r"1-D int32 or int64 tensor, got shape \(3,\) dtype torch.float32"),
+        (lambda: (*packed(), CU[None]), r"1-D int32 or int64 tensor, got shape \(1, 3\) dtype torch.int32"),
+        (lambda: (*packed(), CU[:1]), r"at least 2 entries \(one document\), got shape \(1,\)"),
+        (lambda: (*packed(), CU.to("meta")), r"cu_seqlens must be on q's device cpu, got meta"),
+        (lambda: (*packed(), torch.tensor([2, 4, 10])), r"cu_seqlens must start at 0, got cu_seqlens\[0\]=2"),
+        (
+            lambda: (*packed(), torch.tensor([0, 6, 4, 10])),
+            r"non-decreasing, got cu_seqlens\[2\]=4 < cu_seqlens\[1\]",
+        ),
+        (
+            lambda: (*packed(), torch.tensor([0, 4, 9])),
+            r"cu_seqlens\[-1\] must equal total_tokens: got 9, q \(10,",
+        ),
+        (lambda: (*packed(), CU, 5), r"max_seqlen=5 is smaller than the longest document \(6 tokens, document 1"),
+        (lambda: (*packed(), CU, 6.0), r"max_seqlen must be an int or None, got float"),
+        (lambda: (*packed(), CU, None, torch.ones(2, 4)), r"slopes must have shape \(Hq,\)=\(4,\), got \(2, 4\)"),
+        (lambda: (*packed(), CU, None, torch.ones(4, dtype=torch.int32)), r"slopes must be float32 or float64"),
+    ],
+)
+def test_varlen_bad_inputs_raise_value_error_naming_them(backend, make, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        alibi_attention_varlen(*make(), backend=backend)
+
+
+def test_varlen_bad_backend_and_triton_rejections(monkeypatch):
+    with pytest.raises(ValueError, match=r"backend must be one of .*'cuda'"):
+        alibi_attention_varlen(*packed(), CU, backend="cuda")
+    if importlib.util.find_spec("triton") is not None:
+        with pytest.raises(ValueError, match=r"backend='triton' supports float16, bfloat16 and float32 .*float64"):
+            alibi_attention_varlen(*packed(dtype=torch.float64), CU, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1.*backend='torch'"):
+        alibi_attention_varlen(*packed(), CU, backend="triton")

@@ -1,9 +1,10 @@
 """The Triton backend: launches the forward and backward kernels inside one autograd Function.
 
 On CUDA every kernel is autotuned per head-dim class (<= 64, <= 128, 256); the tuning key is a coarse sequence
-length bucket (<= 512, <= 2048, longer), the head dim, causality and the dtypes. ALIBI_KERNELS_AUTOTUNE=0 skips
-tuning and launches each class's first config. Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small tile
-is used, so the interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
+length bucket (<= 512, <= 2048, longer), the head dim, causality, packed or not, and the dtypes.
+ALIBI_KERNELS_AUTOTUNE=0 skips tuning and launches each class's first config. Under TRITON_INTERPRET=1 (CPU
+tensors, tests) a single small tile is used, so the interpreter stays fast and the multi-block, diagonal and tail
+paths are all exercised at small T.
 
 Packed documents (`cu_seqlens`) run through the same kernels and the same autograd Function with VARLEN set: the
 "batch" program index is the document, the grid's sequence axis covers max_seqlen, and a packed (total, H, D) tensor
@@ -27,7 +28,7 @@ __all__ = ["alibi_attention_triton", "triton_attention_checked", "triton_varlen_
 # triton.jit decides at import time whether kernels are interpreted; record that decision.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _INTERPRETER_BLOCK = 32
-_TUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL"]
+_TUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "VARLEN"]
 _tuned: dict[tuple[str, int], object] = {}
 
 
