@@ -7,6 +7,8 @@ D in {64, 128}, T in {512, ..., 8192}; forward and forward+backward TFLOP/s with
 
 CPU: the torch path vs naive materialised attention (fp32), forward and forward+backward time and peak RSS growth,
 B=2, H=8, D=64, T in 64..1024. Each (method, T) runs in a fresh subprocess so its peak memory is its own.
+Then packed documents: `alibi_attention_varlen` (torch path) vs padding every document to max_seqlen and calling
+`alibi_attention` (the padding and unpadding copies count), forward+backward time.
 
     python packages/alibi-kernels/benchmarks/bench_attention.py [--quick] [--cpu]
 """
@@ -22,7 +24,7 @@ import time
 
 import torch
 
-from alibi_kernels import alibi_attention, alibi_attention_reference, alibi_bias, alibi_slopes
+from alibi_kernels import alibi_attention, alibi_attention_reference, alibi_attention_varlen, alibi_bias, alibi_slopes
 
 
 def causal_flops(b: int, h: int, t: int, d: int) -> tuple[float, float]:
@@ -103,6 +105,53 @@ def run_cpu(quick: bool, threads: int) -> None:
                 line += f" | {mem:>8.2f}x"
             print(line)
     print("speedup and mem ratio: naive / torch path (> 1 means the torch path is faster or smaller)")
+
+
+# ---------------------------------------------------------------- CPU: packed documents vs padding to max_seqlen
+VARLEN_DOCS = [37, 512, 90, 1024, 5, 300, 64, 700]  # mixed lengths, as packed pretraining or chat data gives
+
+
+def _padded_attention(q, k, v, cu: list[int], max_len: int, slopes):
+    """Pad each document to max_len (right padding: causal rows never see the padding), attend, unpad."""
+    docs = list(zip(cu[:-1], cu[1:], strict=True))
+
+    def pad(t):  # (total, H, D) -> (N, H, max_len, D)
+        out = t.new_zeros(len(docs), t.shape[1], max_len, t.shape[2])
+        for i, (a, b) in enumerate(docs):
+            out[i, :, : b - a] = t[a:b].transpose(0, 1)
+        return out
+
+    o = alibi_attention(pad(q), pad(k), pad(v), slopes, backend="torch")  # (N, H, max_len, D)
+    return torch.cat([o[i, :, : b - a].transpose(0, 1) for i, (a, b) in enumerate(docs)])  # (total, H, D)
+
+
+def run_cpu_varlen(threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cu_list = [0, *torch.tensor(VARLEN_DOCS).cumsum(0).tolist()]
+    cu, total, max_len = torch.tensor(cu_list), cu_list[-1], max(VARLEN_DOCS)
+    q, k, v = (torch.randn(total, CPU_H, CPU_D, requires_grad=True) for _ in range(3))
+    do = torch.randn(total, CPU_H, CPU_D)
+    slopes = alibi_slopes(CPU_H)
+    methods = {
+        "padded": lambda: _padded_attention(q, k, v, cu_list, max_len, slopes),
+        "varlen": lambda: alibi_attention_varlen(q, k, v, cu, max_len, slopes, backend="torch"),
+    }
+    diff = (methods["padded"]() - methods["varlen"]()).abs().max().item()
+    times = {}
+    for name, fn in methods.items():
+        with torch.no_grad():
+            fwd = _time(fn)
+        times[name] = (fwd, _time(lambda fn=fn: fn().backward(do)))
+    print(f"\npacked documents {VARLEN_DOCS} ({total} tokens, max {max_len}), fp32, causal, H={CPU_H} D={CPU_D}")
+    print(f"{'method':<8} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | {'fwd speedup':>11} | {'f+b speedup':>11}")
+    for name, (fwd, fb) in times.items():
+        line = f"{name:<8} | {fwd * 1e3:>8.2f} | {fb * 1e3:>10.2f}"
+        if name == "varlen":
+            pf, pfb = times["padded"]
+            line += f" | {pf / fwd:>10.2f}x | {pfb / fb:>10.2f}x"
+        print(line)
+    print(f"speedup: padded / varlen (> 1 means varlen is faster); max |padded - varlen| = {diff:.1e}")
 
 
 # ---------------------------------------------------------------- GPU: Triton vs SDPA mask vs FlexAttention
@@ -237,6 +286,7 @@ def main() -> None:
         run_gpu(args.quick)
     else:
         run_cpu(args.quick, args.threads)
+        run_cpu_varlen(args.threads)
     print(f"total {time.perf_counter() - start:.1f} s")
 
 
