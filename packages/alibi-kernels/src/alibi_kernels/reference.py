@@ -21,8 +21,8 @@ def alibi_bias(
 
     Example:
         >>> alibi_bias(torch.tensor([[0.5]]), 2, 3, causal=True, dtype=torch.float32, device="cpu")[0, 0]
-        tensor([[-0.5000, 0.0000,   -inf],
-                [-1.0000, -0.5000, 0.0000]])
+        tensor([[-0.5000,  0.0000,    -inf],
+                [-1.0000, -0.5000,  0.0000]])
     """
     pos_i = torch.arange(k_len - q_len, k_len, device=device, dtype=dtype)  # (Tq,)
     pos_j = torch.arange(k_len, device=device, dtype=dtype)  # (Tk,)
