@@ -5,8 +5,8 @@ write_tokens, then times B x T random-window batches three ways, in this one run
 
   nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
   tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
-  tokbin Loader    the same through the default Loader (BackgroundGenerator thread, max_prefetch=3, which gathers and hands
-                   the batches over 3 per queue item), as a training loop sees it
+  tokbin Loader    the same through the default Loader (BackgroundGenerator thread, max_prefetch=3, which gathers
+                   the batches 3 at a time and hands them over 3 per queue item), as a training loop sees it
   Loader, busy     the same Loader with a consumer that sleeps 2 ms per batch (a training step that releases the
                    GIL, as a CUDA sync does): the time spent inside next() expressed as tokens/s, i.e. how fast
                    batches are handed over when the prefetch queue is kept full. Context, not the goal figure
