@@ -1,6 +1,7 @@
 """A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates."""
 
 from lmcore.config import PRESETS, ModelConfig, n_params
+from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
 from lmcore.init_schemes import (
     INIT_FUNCTIONS,
@@ -21,6 +22,7 @@ __all__ = [
     "GPT",
     "INIT_FUNCTIONS",
     "PRESETS",
+    "Documents",
     "InitReport",
     "KVCache",
     "LMOutput",
@@ -29,6 +31,7 @@ __all__ = [
     "ModelConfig",
     "__version__",
     "apply_lora",
+    "document_boundaries",
     "estimate_memory",
     "generate",
     "init_gpt2",

@@ -27,6 +27,13 @@ class ModelConfig:
     parameter count about equal. `context_length` is the training length: ALiBi has no
     hard limit, so longer inputs still run.
 
+    `document_separator` (a token id, e.g. the token file's EOS) keeps attention inside
+    documents in the forward pass without a KV cache (training, evaluation): each row is
+    cut after every separator token (the separator closes its document), positions restart
+    at 0 in the next document, and no query attends to an earlier document. Decoding with a
+    KV cache (`generate`) stays plain causal attention over everything cached: a separator
+    inside a prompt or a generated one does not start a new document there.
+
     Example:
         >>> cfg = ModelConfig.from_preset("tiny", n_kv_head=2)
         >>> cfg.head_dim
@@ -50,6 +57,7 @@ class ModelConfig:
     learnable_slopes: bool = False
     checkpointing: str = "off"
     attention_backend: str = "auto"
+    document_separator: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "context_length"):
@@ -93,6 +101,12 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"ModelConfig.attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        sep = self.document_separator
+        if sep is not None and (not isinstance(sep, int) or isinstance(sep, bool) or not 0 <= sep < self.vocab_size):
+            raise ValueError(
+                f"ModelConfig.document_separator must be None or a token id in [0, vocab_size={self.vocab_size}), "
+                f"got {sep!r}"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from alibi_kernels import alibi_attention, alibi_slopes
+from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_slopes
 from lmcore.config import ModelConfig
+from lmcore.documents import Documents, document_boundaries
 from lmcore.init_schemes import initialize
 
 
@@ -104,8 +105,15 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor) -> Tensor:
         return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+    def _attend_documents(
+        self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> Tensor:
+        return alibi_attention_varlen(q, k, v, cu_seqlens, max_seqlen, slopes, causal=True, backend=self.backend)
+
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
         B, T, C = x.shape
+        if documents is not None:
+            return self._forward_documents(x, documents)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -119,6 +127,21 @@ class Attention(nn.Module):
         else:
             y = self._attend(q, k, v, slopes)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.o_proj(y))
+
+    def _forward_documents(self, x: Tensor, documents: Documents) -> Tensor:
+        """Attention inside each packed document: the rows are flattened into varlen's (B * T, H, D) layout."""
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B * T, self.n_head, self.head_dim)  # (B*T, H, D)
+        k = self.k_proj(x).view(B * T, self.n_kv_head, self.head_dim)  # (B*T, Hkv, D)
+        v = self.v_proj(x).view(B * T, self.n_kv_head, self.head_dim)  # (B*T, Hkv, D)
+        slopes = self.head_slopes()
+        args = (q, k, v, slopes, documents.cu_seqlens, documents.max_seqlen)
+        if self.checkpoint_core and self.training and torch.is_grad_enabled():
+            y = checkpoint(self._attend_documents, *args, use_reentrant=False)
+        else:
+            y = self._attend_documents(*args)  # (B*T, H, D)
+        y = y.reshape(B, T, C)  # (B, T, C): token-major already, so no transpose back
         return self.resid_dropout(self.o_proj(y))
 
 
@@ -148,8 +171,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None) -> Tensor:
-        x = x + self.self_attn(self.attn_norm(x), kv_cache)
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
+        x = x + self.self_attn(self.attn_norm(x), kv_cache, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -182,7 +205,8 @@ class GPT(nn.Module):
         """Logits for every position and, with `labels`, the mean cross-entropy over labels != -100.
 
         `labels[t]` is the target of position t (the caller shifts). With `kv_cache`, `input_ids`
-        continue the cached sequence and the cache is extended in place.
+        continue the cached sequence and the cache is extended in place. With `config.document_separator`
+        set and no `kv_cache`, attention stays inside the documents that the separator closes.
         """
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
@@ -196,13 +220,17 @@ class GPT(nn.Module):
                 )
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        documents = None
+        if self.config.document_separator is not None and kv_cache is None and input_ids.shape[1] > 0:
+            # Once per forward, shared by every layer (one host sync for max_seqlen).
+            documents = document_boundaries(input_ids, self.config.document_separator)
         x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)
         checkpoint_blocks = self.config.checkpointing == "block" and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpoint_blocks and kv_cache is None:
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, None, documents, use_reentrant=False)
             else:
-                x = layer(x, kv_cache)
+                x = layer(x, kv_cache, documents)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:
