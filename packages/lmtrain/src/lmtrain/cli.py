@@ -64,6 +64,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "--gpumon", action="store_true", help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.csv"
     )
     p.add_argument(
+        "--document-attention",
+        action="store_true",
+        help="keep attention inside each document of the packed token stream: sets the model's "
+        "document_separator to the training token file's EOS id (kept in the run's model config)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",

@@ -37,8 +37,12 @@ def generate_text(
     sp = load_tokenizer(run_dir)
     eos_id = run.get("eos_id")
     ids = encode(sp, prompt)
-    if eos_id is not None and eos_id >= 0:
-        ids = [eos_id] + ids  # the start of a document, as in training
+    # EOS in front marks the start of a document, as in training. With document attention (the separator is EOS)
+    # that EOS would be a document of its own that the prompt never attends to, while cached decoding is plain
+    # causal attention and would attend to it: leaving it out gives the prompt exactly its training context.
+    document_attention = model.config.document_separator is not None and model.config.document_separator == eos_id
+    if eos_id is not None and eos_id >= 0 and not (document_attention and ids):
+        ids = [eos_id] + ids
     top_k = None if top_k is None else min(top_k, model.config.vocab_size)
     out = generate(
         model,

@@ -58,6 +58,10 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
         data_cfg = DataConfig(**data_recipe(recipe))
     pairs = list(args.overrides)
     set_keys = {key.split(".")[-1] for key, _ in parse_pairs(pairs)}
+    if getattr(args, "document_attention", False):
+        if "document_separator" in set_keys:
+            raise LmtrainError("--document-attention and --set document_separator=... both set the separator; use one")
+        pairs.insert(0, f"model.document_separator={document_separator_of(meta['train_path'])}")
     if args.time_budget is not None:
         pairs.append(f"train.time_budget_s={args.time_budget}")
     if args.deepspeed:
@@ -81,6 +85,27 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
     if data_cfg.seq_len is None:
         data_cfg = dataclasses.replace(data_cfg, seq_len=model_cfg.context_length)
     return model_cfg, train_cfg, data_cfg, recipe
+
+
+def document_separator_of(token_file: str) -> int:
+    """The EOS id that tokbin wrote after each document of `token_file` (what --document-attention uses).
+
+    Example:
+        >>> document_separator_of("data/train.bin")  # doctest: +SKIP
+        2
+    """
+    import tokbin
+
+    try:
+        eos_id = tokbin.TokenFile(token_file).eos_id
+    except tokbin.TokenFileError as exc:
+        raise LmtrainError(f"--document-attention: {exc}") from exc
+    if eos_id is None or eos_id < 0:
+        raise LmtrainError(
+            f"--document-attention: {token_file} has no EOS id in its header (encoded without EOS?), so its "
+            "documents cannot be told apart; re-encode with EOS or drop the flag"
+        )
+    return int(eos_id)
 
 
 def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int) -> tuple[int, dict[int, float]]:
