@@ -5,6 +5,8 @@ F.scaled_dot_product_attention(is_causal=True), GELU MLP, LayerNorm with bias, t
 Repetitions of the two models are interleaved so that load from other processes hits both alike;
 the reported figure is the median over repetitions. Prints a table, then the ratio lines; the last line is
 `alibi_model_vs_plain: <ratio>` at nanoGPT's CPU "baby" size (4 layers, 4 heads, width 128, T=64, B=12).
+A second table times the same ALiBi model with `document_separator` set against it unset, on one batch whose
+rows hold packed documents of a given mean length (ratio = unset time / set time; < 1: document attention slower).
 
     python benchmarks/bench_model.py [--reps 15] [--iters 5] [--threads 1]
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lmcore
 from lmcore import GPT, ModelConfig
 
 
@@ -100,6 +103,46 @@ def measure(T: int, B: int, reps: int, iters: int, vocab: int = 65) -> dict[str,
     }
 
 
+def packed_batch(B: int, T: int, mean_doc: int, vocab: int, sep: int) -> torch.Tensor:
+    """(B, T) ids from [1, vocab) with `sep` at random positions, one in `mean_doc` tokens on average."""
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(1, vocab, (B, T), generator=g)
+    idx[torch.rand(B, T, generator=g) < 1 / mean_doc] = sep
+    return idx
+
+
+def measure_documents(T: int, B: int, mean_doc: int, reps: int, iters: int, vocab: int = 65) -> dict[str, float]:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=vocab, n_layer=4, n_head=4, d_model=128, context_length=T, dropout=0.0)
+    plain = GPT(config)
+    documents = GPT(ModelConfig.from_dict({**config.to_dict(), "document_separator": 0}))
+    documents.load_state_dict(plain.state_dict())
+    idx = packed_batch(B, T, mean_doc, vocab, sep=0)
+    n_docs = len(lmcore.document_boundaries(idx, 0).cu_seqlens) - 1
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model(idx, idx).loss.backward()
+
+    steps = {"plain": lambda: step(plain), "documents": lambda: step(documents)}
+    for fn in steps.values():
+        step_time(fn, 2)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    ratios = []
+    for rep in range(reps):
+        order = list(steps) if rep % 2 == 0 else list(reversed(steps))
+        times = {name: step_time(steps[name], iters) for name in order}
+        for name, t in times.items():
+            samples[name].append(t)
+        ratios.append(times["plain"] / times["documents"])
+    return {
+        "n_docs": n_docs,
+        "plain_ms": 1e3 * statistics.median(samples["plain"]),
+        "documents_ms": 1e3 * statistics.median(samples["documents"]),
+        "ratio": statistics.median(ratios),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -119,6 +162,14 @@ def main() -> None:
         print(f"{T:>5} {12:>3} {r['alibi']:>12.0f} {r['plain']:>12.0f} {r['ratio']:>7.3f}")
     print(f"alibi_model_vs_plain_T512: {results[512]['ratio']:.3f}")
     print(f"alibi_model_vs_plain: {results[64]['ratio']:.3f}")
+    print("\ndocument_separator set vs unset (same ALiBi model and batch), forward+backward")
+    print(f"{'T':>5} {'B':>3} {'mean doc':>8} {'docs':>5} {'unset ms':>9} {'set ms':>9} {'ratio':>7}")
+    for T, mean_doc in ((256, 64), (256, 16)):
+        r = measure_documents(T, 12, mean_doc, max(3, args.reps // 3), args.iters)
+        print(
+            f"{T:>5} {12:>3} {mean_doc:>8} {r['n_docs']:>5} {r['plain_ms']:>9.1f} {r['documents_ms']:>9.1f} "
+            f"{r['ratio']:>7.3f}"
+        )
 
 
 if __name__ == "__main__":
