@@ -181,6 +181,26 @@ def test_gradcheck_float64_torch_path_including_slopes(causal):
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cu_seqlens_is_read_back_except_on_triton_with_max_seqlen(backend, monkeypatch):
+    # a device-to-host copy per call (per layer, in a model) stalls a GPU; flash-attn trusts cu_seqlens instead
+    q, k, v, _, slopes, cu = make_packed([9, 0, 40], 4, 1, 16, seed=8)
+    expected = alibi_attention_varlen(q, k, v, cu, None, slopes, backend=backend)
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def watched(self):
+        reads.append(self.data_ptr() == cu.data_ptr())
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", watched)
+    assert torch.equal(alibi_attention_varlen(q, k, v, cu, 40, slopes, backend=backend), expected)
+    assert any(reads) == (backend == "torch")
+    reads.clear()
+    alibi_attention_varlen(q, k, v, cu, None, slopes, backend=backend)
+    assert any(reads)  # without max_seqlen both backends read and check the offsets
+
+
 def test_auto_on_cpu_uses_the_torch_path():
     q, k, v, _, slopes, cu = make_packed([3, 12], 4, 2, 16, seed=7)
     auto = alibi_attention_varlen(q, k, v, cu, None, slopes)

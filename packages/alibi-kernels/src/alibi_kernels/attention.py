@@ -95,7 +95,9 @@ def alibi_attention_varlen(
     same formula as `alibi_attention`, signed when not causal). `max_seqlen` (the longest document) is computed when
     None; a given value must be at least the longest document. `slopes`: None (alibi_slopes(Hq)) or (Hq,)
     float32/float64, shared by all documents; gradients reach q, k, v and slopes that require grad. `backend` as in
-    `alibi_attention`. Output: (total_tokens, Hq, D), q's dtype. cu_seqlens is read on the host once per call.
+    `alibi_attention`. Output: (total_tokens, Hq, D), q's dtype. cu_seqlens is read on the host and checked once
+    per call, except on the Triton path with `max_seqlen` given: there its values are trusted, as flash-attn does, so
+    the call makes no device-to-host copy (compute max_seqlen once and reuse it across layers).
 
     Example:
         >>> q = torch.randn(30, 4, 32); k = v = torch.randn(30, 2, 32)
@@ -103,8 +105,10 @@ def alibi_attention_varlen(
         torch.Size([30, 4, 32])
     """
     _check_backend_name(backend)
-    shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, slopes, softmax_scale)
-    if _resolve_backend(backend, q.device) == "torch":
+    on_triton = isinstance(q, torch.Tensor) and _resolve_backend(backend, q.device) == "triton"
+    read_offsets = max_seqlen is None or not on_triton
+    shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, slopes, softmax_scale, read_offsets)
+    if not on_triton:
         return torch_varlen_checked(q, k, v, shape, slopes_2d, scale, causal)
     from alibi_kernels.attention_triton import triton_varlen_checked
 

@@ -52,7 +52,7 @@ class VarlenShape:
     q_heads: int
     kv_heads: int
     head_dim: int
-    cu_seqlens: tuple[int, ...]  # host copy of the document boundaries
+    cu_seqlens: tuple[int, ...] | None  # host copy of the document boundaries; None when they were trusted
     max_seqlen: int  # the grid's sequence length: the given max_seqlen, or the longest document
 
     @property
@@ -176,10 +176,13 @@ def check_varlen_inputs(
     max_seqlen: int | None,
     slopes: torch.Tensor | None,
     softmax_scale: float | None,
+    read_offsets: bool = True,
 ) -> tuple[VarlenShape, torch.Tensor, float]:
     """Validate one packed call and return (shape, slopes as (1, Hq), scale).
 
     Reads cu_seqlens on the host once (one device-to-host copy on CUDA) to check it and to find the longest document.
+    With `read_offsets=False` (a given max_seqlen on the Triton path) its values are trusted and not read: the
+    shape's `cu_seqlens` is then None.
     """
     _check_tensors(q, k, v, "total_tokens, H, D", "total_tokens, Hkv, D")
     total, hq, d = q.shape
@@ -196,6 +199,13 @@ def check_varlen_inputs(
         raise ValueError(f"cu_seqlens must hold at least 2 entries (one document), got shape {_shape(cu_seqlens)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if not read_offsets:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise ValueError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+        slopes_2d = _slopes_2d(slopes, hq, None, q.device)
+        return VarlenShape(total, hq, k.shape[1], d, None, max_seqlen), slopes_2d, _softmax_scale(softmax_scale, d)
     bounds = tuple(cu_seqlens.tolist())
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={bounds[0]}")
