@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
 
 from alibi_kernels import alibi_attention_reference
+
+# Marks for tests that run the Triton kernels on CPU tensors.
+NEEDS_INTERPRETER = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the nox session sets it)",
+    ),
+]
 
 # fp32 against float64: relative to the largest magnitude of the reference (outputs and grads are O(1)).
 FP32_RTOL = 1e-5

@@ -8,13 +8,11 @@ runs every program instance in Python.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from attention_cases import (
     FP32_GRAD_RTOL,
+    NEEDS_INTERPRETER,
     assert_fp32_close,
     assert_within_twice_torch_error,
     forward_backward,
@@ -24,13 +22,7 @@ from attention_cases import (
 
 from alibi_kernels import alibi_attention
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-        reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the nox session sets it)",
-    ),
-]
+pytestmark = NEEDS_INTERPRETER
 
 # (B, Hq, Hkv, Tq, Tk, D, causal, dtype, layout, per_batch_slopes, slopes_grad)
 CASES = [

@@ -6,13 +6,13 @@ tile, an empty document and several tiles; [5] is a single short document. Trito
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 from attention_cases import (
     FP32_GRAD_RTOL,
+    NEEDS_INTERPRETER,
     assert_fp32_close,
     assert_within_twice_torch_error,
     forward_backward,
@@ -20,13 +20,6 @@ from attention_cases import (
 
 from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_attention_varlen_reference
 
-needs_interpreter = [
-    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-        reason="Triton kernels on CPU need TRITON_INTERPRET=1 (the nox session sets it)",
-    ),
-]
 MIXED = [1, 17, 64, 0, 100]
 NAMES = ("dq", "dk", "dv", "dslopes")
 
@@ -116,12 +109,12 @@ def test_torch_path_matches_float64_reference(case):
     check_against_reference("torch", *case, seed=TORCH_CASES.index(case))
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=needs_interpreter, id=case_id(c)) for c in TRITON_CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=NEEDS_INTERPRETER, id=case_id(c)) for c in TRITON_CASES])
 def test_triton_matches_float64_reference(case):
     check_against_reference("triton", *case, seed=100 + TRITON_CASES.index(case))
 
 
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", marks=needs_interpreter, id="triton")]
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", marks=NEEDS_INTERPRETER, id="triton")]
 
 
 @pytest.mark.parametrize("causal", [True, False])
