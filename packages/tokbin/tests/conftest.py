@@ -24,22 +24,23 @@ def _need(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    """About 200 KB of real text: the head of TinyShakespeare (a slice written to tmp, never into the repo)."""
-    text = _need(SHAKESPEARE).read_bytes()[:200_000]
-    out = tmp_path_factory.mktemp("corpus") / "shakespeare_200k.txt"
+def _head(source: Path, n_bytes: int, out: Path) -> Path:
+    """The first whole lines of `source` within `n_bytes`, written to `out` (a tmp path, never into the repo)."""
+    text = _need(source).read_bytes()[:n_bytes]
     out.write_bytes(text[: text.rindex(b"\n") + 1])
     return out
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """About 200 KB of real text: the head of TinyShakespeare."""
+    return _head(SHAKESPEARE, 200_000, tmp_path_factory.mktemp("corpus") / "shakespeare_200k.txt")
 
 
 @pytest.fixture(scope="session")
 def wiki_text(tmp_path_factory) -> Path:
     """About 100 KB of WikiText-2 validation text, blank-line separated articles."""
-    text = _need(WIKITEXT).read_bytes()[:100_000]
-    out = tmp_path_factory.mktemp("wiki") / "wiki_100k.txt"
-    out.write_bytes(text[: text.rindex(b"\n") + 1])
-    return out
+    return _head(WIKITEXT, 100_000, tmp_path_factory.mktemp("wiki") / "wiki_100k.txt")
 
 
 @pytest.fixture(scope="session")
