@@ -53,9 +53,10 @@ class RecordingWriter:
         self._csv.writerow(FIXED + columns)
         self._file.flush()
 
-    def sample(self, t: float, cells: list[str]) -> None:
+    @staticmethod
+    def sample_line(t: float, cells: list[str]) -> str:
         """One sample row; `cells` are already CSV-safe (the sampler quotes text that needs it)."""
-        self._write(f"{t:.6f},s,,,{','.join(cells)}\n")
+        return f"{t:.6f},s,,,{','.join(cells)}\n"
 
     def event(self, t: float, kind: str, label: str, value: Any) -> None:
         self._write(self.event_line(t, kind, label, value))
@@ -68,7 +69,7 @@ class RecordingWriter:
         return self._line.getvalue()
 
     def write(self, lines: list[str]) -> None:
-        """Rows already formatted (sample rows from the sampler, event_line() for the others)."""
+        """Rows already formatted by sample_line() and event_line()."""
         self._write("".join(lines))
 
     def flush(self) -> None:

@@ -339,7 +339,7 @@ class Sampler:
             add_tick(t)
             if writer is not None:
                 rows.extend(writer.event_line(*e) for e in events)
-                rows.append(f"{t:.6f},s,,,{','.join(cells)}\n")
+                rows.append(writer.sample_line(t, cells))
         if writer is not None:
             rows.extend(writer.event_line(*e) for e in marks[m:])
             try:
