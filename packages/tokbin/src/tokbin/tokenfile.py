@@ -205,15 +205,15 @@ class TokenFile:
             both = buffer.numpy()
         else:
             both = np.empty((2, starts.size, seq_len), dtype=np.int64)
-            buffer = torch.from_numpy(both)
         both[0] = rows[:, :-1]  # the widening copy writes straight into contiguous inputs and targets
         both[1] = rows[:, 1:]
-        if len(arrays) == 1:
-            return [(buffer[0], buffer[1])]
         out, first = [], 0
         for st in arrays:
             last = first + st.size
-            out.append((buffer[0, first:last], buffer[1, first:last]))
+            if pin_memory:  # views of the pinned tensor itself, so CUDA's host allocator tracks async copies from it
+                out.append((buffer[0, first:last], buffer[1, first:last]))
+            else:  # cut in numpy: a third of the cost of slicing a tensor (~2.5 us a view, a quarter of a gather)
+                out.append((torch.from_numpy(both[0, first:last]), torch.from_numpy(both[1, first:last])))
             first = last
         return out
 
