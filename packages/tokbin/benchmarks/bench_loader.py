@@ -14,8 +14,8 @@ write_tokens, then times B x T random-window batches three ways, in this one run
                    64 MiB RAM array (so the source is not cache-resident) into a preallocated buffer
   raw file copy    np.copyto of the bytes one batch reads from the file (B*(T+1) uint16 = 32 KiB, one contiguous
                    slice of the memmap): the floor of any memmap loader, shown for context
-  hand-off         the round trip of an item between two threads through queue.Queue, for context: what one
-                   wake-up of a waiting thread costs on this machine
+  hand-off         the round trip of an item between two threads through queue.SimpleQueue (the C queue the
+                   Loader's hand-off is built on), for context: what one wake-up of a waiting thread costs here
 
 Prints a table and ends with `loader_vs_nanogpt_recipe: <ratio>` (Loader vs recipe). Never asserts on time.
 Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N]
@@ -58,11 +58,11 @@ def nanogpt_get_batch(path: Path, n_tokens: int, gen: torch.Generator) -> tuple[
 
 
 def hand_off_round_trip_us(n: int = 3000) -> float:
-    """Mean of n round trips of an item through two queue.Queue(1) between two threads, in us.
+    """Mean of n round trips of an item through two queue.SimpleQueue between two threads, in us.
 
     Context for the Loader rows: every queue item the consumer waits for costs at least one such one-way wake-up.
     """
-    there, back = queue.Queue(1), queue.Queue(1)
+    there, back = queue.SimpleQueue(), queue.SimpleQueue()
 
     def echo() -> None:
         while (item := there.get()) is not None:
@@ -186,7 +186,7 @@ def main() -> None:
         print(f"{name:30} {rate:14,.0f} {rate / (B * T):10,.0f} {rate / recipe:9.2f}x {rate / bound:8.1%}")
     round_trip = hand_off_round_trip_us()
     print(
-        f"thread hand-off round trip (queue.Queue ping-pong, context): {round_trip:.0f} us; "
+        f"thread hand-off round trip (queue.SimpleQueue ping-pong, context): {round_trip:.0f} us; "
         f"the gather alone takes {1e6 * B * T / gather:.0f} us per batch"
     )
     print(f"gather_vs_nanogpt_recipe: {gather / recipe:.2f}")
