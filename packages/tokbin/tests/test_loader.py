@@ -123,12 +123,24 @@ def test_grouped_hand_off_keeps_order_and_ends_after_a_partial_group(group):
     assert not bg.is_alive()
 
 
-def test_grouped_hand_off_delivers_items_before_the_exception():
-    def breaks_at_5():
-        yield from range(5)
-        raise KeyError("producer broke after 5 items")
+def _breaks_at_5():
+    yield from range(5)
+    raise KeyError("producer broke after 5 items")
 
-    bg = ClosableBackgroundGenerator(breaks_at_5(), max_prefetch=3, group=3)
+
+def _groups_then_breaks():
+    yield [0, 1]
+    yield []  # skipped
+    yield [2, 3]
+    yield [4]
+    raise KeyError("producer broke after 5 items")
+
+
+@pytest.mark.parametrize(
+    ("generator", "grouped"), [(_breaks_at_5, False), (_groups_then_breaks, True)], ids=["items", "pre-grouped"]
+)
+def test_grouped_hand_off_delivers_items_before_the_exception(generator, grouped):
+    bg = ClosableBackgroundGenerator(generator(), max_prefetch=3, group=3 if not grouped else 2, grouped=grouped)
     assert [next(bg) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(KeyError, match="producer broke after 5 items"):
         next(bg)
@@ -202,20 +214,3 @@ def test_hand_off_is_a_bounded_fifo():
     assert [handoff.get(), handoff.get()] == ["b", "c"]
     with pytest.raises(ValueError, match="maxsize must be >= 1"):
         HandOff(0)
-
-
-def test_pre_grouped_generator_hands_over_its_own_groups():
-    def groups():
-        yield [0, 1]
-        yield []  # skipped
-        yield [2]
-        raise KeyError("producer broke after 3 items")
-
-    bg = ClosableBackgroundGenerator(groups(), max_prefetch=2, group=2, grouped=True)
-    assert [next(bg) for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(KeyError, match="producer broke after 3 items"):
-        next(bg)
-    with pytest.raises(StopIteration):
-        next(bg)
-    bg.join(5)
-    assert not bg.is_alive()
