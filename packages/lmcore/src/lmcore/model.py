@@ -110,39 +110,30 @@ class Attention(nn.Module):
     ) -> Tensor:
         return alibi_attention_varlen(q, k, v, cu_seqlens, max_seqlen, slopes, causal=True, backend=self.backend)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
-        B, T, C = x.shape
-        if documents is not None:
-            return self._forward_documents(x, documents)
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        if kv_cache is not None:
-            # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
-            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
-        slopes = self.head_slopes()
+    def _core(self, attend, *args: Tensor | int) -> Tensor:
         if self.checkpoint_core and self.training and torch.is_grad_enabled():
             # Recompute only the attention core in backward (Korthikanti et al.'s "selective" recompute).
-            y = checkpoint(self._attend, q, k, v, slopes, use_reentrant=False)
-        else:
-            y = self._attend(q, k, v, slopes)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.o_proj(y))
+            return checkpoint(attend, *args, use_reentrant=False)
+        return attend(*args)
 
-    def _forward_documents(self, x: Tensor, documents: Documents) -> Tensor:
-        """Attention inside each packed document: the rows are flattened into varlen's (B * T, H, D) layout."""
+    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
         B, T, C = x.shape
-        q = self.q_proj(x).view(B * T, self.n_head, self.head_dim)  # (B*T, H, D)
-        k = self.k_proj(x).view(B * T, self.n_kv_head, self.head_dim)  # (B*T, Hkv, D)
-        v = self.v_proj(x).view(B * T, self.n_kv_head, self.head_dim)  # (B*T, Hkv, D)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         slopes = self.head_slopes()
-        args = (q, k, v, slopes, documents.cu_seqlens, documents.max_seqlen)
-        if self.checkpoint_core and self.training and torch.is_grad_enabled():
-            y = checkpoint(self._attend_documents, *args, use_reentrant=False)
+        if documents is not None:
+            # Attention inside each packed document: the rows flattened into varlen's (B * T, H, D) layout,
+            # token-major like (B, T, H, D), so no transpose either way.
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            y = self._core(self._attend_documents, q, k, v, slopes, documents.cu_seqlens, documents.max_seqlen)
         else:
-            y = self._attend_documents(*args)  # (B*T, H, D)
-        y = y.reshape(B, T, C)  # (B, T, C): token-major already, so no transpose back
-        return self.resid_dropout(self.o_proj(y))
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+            if kv_cache is not None:
+                # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
+                k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
+            y = self._core(self._attend, q, k, v, slopes).transpose(1, 2)  # (B, T, H, D)
+        return self.resid_dropout(self.o_proj(y.reshape(B, T, C)))
 
 
 class MLP(nn.Module):
