@@ -218,13 +218,8 @@ class Sampler:
                 break
             started = perf_counter()
             with lock:
-                try:
-                    if self._read(clock() - t0) or len(self._pending) >= self._batch_ticks:
-                        self._process()
-                        self.cpu_s = time.thread_time() - cpu_start  # a system call: once a batch, not every tick
-                except Exception as exc:  # a bug here must not kill monitoring, nor the program being monitored
-                    self._pending.clear()
-                    self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
+                if self._tick(clock() - t0, process=False):
+                    self.cpu_s = time.thread_time() - cpu_start  # a system call: once a batch, not every tick
             self.busy_s += perf_counter() - started
             k = next_tick_index(k, clock() - t0, period)
         started = perf_counter()
@@ -257,20 +252,34 @@ class Sampler:
         self._slow_cpu_s = time.thread_time() - cpu_start
 
     def sample_once(self, t: float) -> None:
-        """One tick at time `t` (seconds since start). The thread calls it; tests call it with a fake clock."""
+        """One tick at time `t` (seconds since start), read and processed at once; tests call it with a fake clock."""
         with self._lock:
-            try:
-                self._read(t)
-            except Exception as exc:  # a bug here must not kill monitoring, nor the program being monitored
-                self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
+            self._tick(t, process=True)
+
+    def _tick(self, t: float, process: bool) -> bool:
+        """Read the pollers due at `t`; process the queued ticks when `process`, a read failed or a batch is full.
+
+        Returns True when it processed. Caller holds the lock.
+        """
+        try:
+            failed = self._read(t)
+        except Exception as exc:  # a bug here must not kill monitoring, nor the program being monitored
+            self._internal_error(exc)
+            failed = True
+        if process or failed or len(self._pending) >= self._batch_ticks:
             self._process_safely()
+            return True
+        return False
 
     def _process_safely(self) -> None:
         try:
             self._process()
         except Exception as exc:
             self._pending.clear()
-            self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
+            self._internal_error(exc)
+
+    def _internal_error(self, exc: Exception) -> None:
+        self._count("sampler", f"{type(exc).__name__}: {exc}", "error")
 
     def _fast_pollers(self) -> list[tuple[int, Poller, Callable[[], Sequence[Any]], float]]:
         # the pollers this thread reads, with their bound read() and period looked up once rather than every
