@@ -146,3 +146,13 @@ def test_varlen_bad_backend_and_triton_rejections(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1.*backend='torch'"):
         alibi_attention_varlen(*packed(), CU, backend="triton")
+
+
+@pytest.mark.parametrize("max_seqlen", [None, -1])
+def test_varlen_trusted_offsets_need_a_non_negative_max_seqlen(max_seqlen):
+    from alibi_kernels.validation import check_varlen_inputs
+
+    with pytest.raises(
+        ValueError, match=rf"max_seqlen must be given and >= 0 when cu_seqlens is trusted, got {max_seqlen}"
+    ):
+        check_varlen_inputs(*packed(), CU, max_seqlen, None, None, read_offsets=False)

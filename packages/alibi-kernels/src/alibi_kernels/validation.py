@@ -199,13 +199,14 @@ def check_varlen_inputs(
         raise ValueError(f"cu_seqlens must hold at least 2 entries (one document), got shape {_shape(cu_seqlens)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)):
+        raise ValueError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
+    slopes_2d = _slopes_2d(slopes, hq, None, q.device)
+    scale = _softmax_scale(softmax_scale, d)
     if not read_offsets:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-            raise ValueError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
-        if max_seqlen < 0:
-            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
-        slopes_2d = _slopes_2d(slopes, hq, None, q.device)
-        return VarlenShape(total, hq, k.shape[1], d, None, max_seqlen), slopes_2d, _softmax_scale(softmax_scale, d)
+        if max_seqlen is None or max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be given and >= 0 when cu_seqlens is trusted, got {max_seqlen}")
+        return VarlenShape(total, hq, k.shape[1], d, None, max_seqlen), slopes_2d, scale
     bounds = tuple(cu_seqlens.tolist())
     if bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0]={bounds[0]}")
@@ -221,14 +222,10 @@ def check_varlen_inputs(
     longest = max(lengths)
     if max_seqlen is None:
         max_seqlen = longest
-    elif isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise ValueError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
     elif max_seqlen < longest:
         raise ValueError(
             f"max_seqlen={max_seqlen} is smaller than the longest document "
             f"({longest} tokens, document {lengths.index(longest)} of cu_seqlens)"
         )
-    slopes_2d = _slopes_2d(slopes, hq, None, q.device)
-    scale = _softmax_scale(softmax_scale, d)
     shape = VarlenShape(total, hq, k.shape[1], d, bounds, max_seqlen)
     return shape, slopes_2d, scale
