@@ -33,6 +33,11 @@ def matching_preset(model_config: Any) -> str | None:
     return None
 
 
+def overridden_keys(pairs: list[str]) -> set[str]:
+    """The field names that `--set section.field=value` pairs set (the section dropped)."""
+    return {key.split(".")[-1] for key, _ in parse_pairs(pairs)}
+
+
 def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, Any, DataConfig, str | None]:
     """(ModelConfig, TrainConfig, DataConfig, recipe name) from the flags, the data and the run's saved configs."""
     from lmcore import ModelConfig
@@ -57,7 +62,7 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
         train_cfg = TrainConfig.from_dict(values)
         data_cfg = DataConfig(**data_recipe(recipe))
     pairs = list(args.overrides)
-    set_keys = {key.split(".")[-1] for key, _ in parse_pairs(pairs)}
+    set_keys = overridden_keys(pairs)
     if getattr(args, "document_attention", False):
         if "document_separator" in set_keys:
             raise LmtrainError("--document-attention and --set document_separator=... both set the separator; use one")
@@ -174,7 +179,7 @@ def run_train(args: argparse.Namespace) -> int:
         step_s = timings[threads]
         print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
               + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
-    set_keys = {key.split(".")[-1] for key, _ in parse_pairs(args.overrides)}
+    set_keys = overridden_keys(args.overrides)
     # Size the schedule to the budget while training (single process: the ranks of a distributed run would have
     # to agree on every re-plan). Explicit steps or schedule settings turn this off.
     budgeted = (
