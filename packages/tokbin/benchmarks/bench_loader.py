@@ -5,8 +5,15 @@ write_tokens, then times B x T random-window batches three ways, in this one run
 
   nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
   tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
-  tokbin Loader    the same through the default Loader (BackgroundGenerator thread, max_prefetch=3, which gathers
-                   the batches 3 at a time and hands them over 3 per queue item), as a training loop sees it
+  tokbin Loader    the same through the default Loader (prefetch thread, max_prefetch=3, which gathers the
+                   batches 3 at a time and hands them over 3 per queue item), as a training loop sees it
+  Loader on prefetch_generator
+                   the Loader's own producer (same sampler, same 3-batch gather_many groups) handed over by
+                   prefetch_generator.BackgroundGenerator(producer, max_prefetch=1), i.e. a queue.Queue of one
+                   3-batch group, in place of the Loader's HandOff queue: the two hand-offs compared alone
+  BackgroundGenerator recipe
+                   the conventional recipe: BackgroundGenerator(one gather per batch, max_prefetch=3), same
+                   sampler, TokenFile.gather per batch, one queue.Queue item per batch
   Loader, busy     the same Loader with a consumer that sleeps 2 ms per batch (a training step that releases the
                    GIL, as a CUDA sync does): the time spent inside next() expressed as tokens/s, i.e. how fast
                    batches are handed over when the prefetch queue is kept full. Context, not the goal figure
@@ -17,24 +24,29 @@ write_tokens, then times B x T random-window batches three ways, in this one run
   hand-off         the round trip of an item between two threads through queue.SimpleQueue (the C queue the
                    Loader's hand-off is built on), for context: what one wake-up of a waiting thread costs here
 
-Prints a table and ends with `loader_vs_nanogpt_recipe: <ratio>` (Loader vs recipe). Never asserts on time.
-Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N]
+Prints a table (best round per method), the per-round ratios of the Loader to the two prefetch_generator
+loaders (median and range over the alternating rounds), and ends with `loader_vs_nanogpt_recipe: <ratio>`
+(Loader vs recipe). Never asserts on time.
+Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import queue
+import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tokbin import Loader, RandomWindows, write_tokens
+from tokbin import Loader, RandomWindows, TokenFile, write_tokens
 from tokbin.fileformat import HEADER_SIZE
 
 B, T = 16, 1024
@@ -83,8 +95,8 @@ def hand_off_round_trip_us(n: int = 3000) -> float:
     return elapsed / n * 1e6
 
 
-def interleaved_best(fns: dict, n_batches: int, rounds: int) -> dict:
-    """Tokens/s (B*T per batch) per method: best of ``rounds`` timed runs of ``n_batches`` each, after a warm-up.
+def interleaved_rounds(fns: dict, n_batches: int, rounds: int) -> dict[str, list[float]]:
+    """Tokens/s (B*T per batch) per method in each of ``rounds`` timed runs of ``n_batches`` each, after a warm-up.
 
     The methods take turns within each round, so on a shared machine a burst of load from other jobs falls on
     all of them rather than on whichever happened to run at that moment.
@@ -92,14 +104,30 @@ def interleaved_best(fns: dict, n_batches: int, rounds: int) -> dict:
     for fn in fns.values():
         for _ in range(min(50, n_batches)):
             fn()
-    best = dict.fromkeys(fns, 0.0)
+    rates: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(n_batches):
                 fn()
-            best[name] = max(best[name], n_batches * B * T / (time.perf_counter() - t0))
-    return best
+            rates[name].append(n_batches * B * T / (time.perf_counter() - t0))
+    return rates
+
+
+def prefetch_generator_loaders(tf: TokenFile, max_prefetch: int = 3) -> dict[str, Iterator]:
+    """The two loaders built on prefetch_generator.BackgroundGenerator, each with its own RandomWindows stream.
+
+    Neither can be stopped (BackgroundGenerator has no close()): their daemon threads stay blocked on a full
+    queue until the process exits, which costs nothing while another method is timed.
+    """
+    from prefetch_generator import BackgroundGenerator
+
+    # The Loader's producer: the same sampler calls and gather_many groups the Loader hands over.
+    producer = Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=3), max_prefetch=max_prefetch)
+    groups = BackgroundGenerator(producer._produce(0), max_prefetch=max(1, max_prefetch // producer._group))
+    sampler = RandomWindows(tf.n_tokens, T, B, seed=4)
+    per_batch = BackgroundGenerator((tf.gather(*sampler.batch(k)) for k in itertools.count()), max_prefetch)
+    return {"bg_groups": (batch for group in groups for batch in group), "bg_recipe": per_batch}
 
 
 def main() -> None:
@@ -117,8 +145,6 @@ def main() -> None:
         t0 = time.perf_counter()
         make_file(path, n_tokens)
         write_s = time.perf_counter() - t0
-        from tokbin import TokenFile
-
         tf = TokenFile(path)
         gen = torch.Generator().manual_seed(0)
         it = iter(RandomWindows(tf.n_tokens, T, B, seed=0))
@@ -143,18 +169,22 @@ def main() -> None:
             np.copyto(dst16, ids[o : o + dst16.size])
             k[0] += 1
 
+        bg = prefetch_generator_loaders(tf)
         with loader:
-            rates = interleaved_best(
+            rounds = interleaved_rounds(
                 {
                     "recipe": lambda: nanogpt_get_batch(path, n_tokens, gen),
                     "gather": lambda: tf.gather(*next(it)),
                     "loader": lambda: next(loader),
+                    "bg_groups": lambda: next(bg["bg_groups"]),
+                    "bg_recipe": lambda: next(bg["bg_recipe"]),
                     "bound": raw_copy,
                     "file_copy": raw_file_copy,
                 },
                 n_batches,
                 args.rounds,
             )
+        rates = {name: max(r) for name, r in rounds.items()}
 
         with Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=2), max_prefetch=3) as busy:
             waited = 0.0
@@ -172,6 +202,8 @@ def main() -> None:
         ("nanogpt recipe", recipe),
         ("tokbin gather (no thread)", gather),
         ("tokbin Loader (prefetch 3)", loader_rate),
+        ("Loader on prefetch_generator", rates["bg_groups"]),
+        ("BackgroundGenerator recipe", rates["bg_recipe"]),
         ("Loader, busy consumer (context)", busy_rate),
         ("raw copy bound", bound),
         ("raw file copy (context)", file_copy),
@@ -179,7 +211,7 @@ def main() -> None:
     print(f"load average at the end (2 cores, shared): {os.getloadavg()[0]:.1f}")
     print(
         f"token file: {n_tokens:,} tokens (uint16), written in {write_s:.1f} s; B={B}, T={T}, "
-        f"{args.rounds} interleaved rounds of {n_batches} batches"
+        f"{args.rounds} interleaved rounds of {n_batches} batches, best round shown"
     )
     print(f"{'method':30} {'tokens/s':>14} {'batches/s':>10} {'vs recipe':>10} {'of bound':>9}")
     for name, rate in rows:
@@ -189,6 +221,13 @@ def main() -> None:
         f"thread hand-off round trip (queue.SimpleQueue ping-pong, context): {round_trip:.0f} us; "
         f"the gather alone takes {1e6 * B * T / gather:.0f} us per batch"
     )
+    for name, label in (("bg_groups", "Loader on prefetch_generator"), ("bg_recipe", "BackgroundGenerator recipe")):
+        ratios = sorted(a / b for a, b in zip(rounds["loader"], rounds[name], strict=True))
+        faster = sum(r > 1 for r in ratios)
+        print(
+            f"Loader / {label}, per round: median {statistics.median(ratios):.2f}x "
+            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x), Loader faster in {faster} of {len(ratios)} rounds"
+        )
     print(f"gather_vs_nanogpt_recipe: {gather / recipe:.2f}")
     print(f"loader_fraction_of_bound: {loader_rate / bound:.3f}")
     print(f"loader_vs_nanogpt_recipe: {loader_rate / recipe:.2f}")
