@@ -11,7 +11,7 @@ from launch import command, env, run
 from tiny_model import SeqData, TinyLM
 
 from trainloop import TrainConfig, Trainer, latest_checkpoint, load_model_weights
-from trainloop.checkpoint import find_resumable
+from trainloop.checkpoint import CheckpointStore
 
 
 def _start(args, nproc=1):
@@ -54,7 +54,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert (tmp_path / "checkpoints" / ".tmp-step_00000004" / "model.safetensors").exists()  # killed mid-save
-    ckpt, skipped = find_resumable(tmp_path)
+    ckpt, skipped = CheckpointStore(tmp_path).find_resumable()
     assert ckpt.name == "step_00000002"
     assert [p.name for p, _ in skipped] == [".tmp-step_00000004"]
     model = TinyLM()

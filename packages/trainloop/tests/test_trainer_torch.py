@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -172,7 +173,7 @@ def test_mixed_precision_torch_engine(tmp_path, precision):
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert out["total_skips"] == 0 and recs[-1]["loss"] < recs[0]["loss"]
     if precision == "fp16":
-        # GradScaler with the write-up's growth factor: settable, logged, and saved for resume.
+        # GradScaler with a slow growth factor (1.001): settable, logged, and saved for resume.
         assert recs[0]["loss_scale"] == 2.0**10
         state = torch.load(latest_checkpoint(tmp_path) / "trainer.pt", weights_only=False)
         assert state["scaler"]["growth_factor"] == 1.001
@@ -196,11 +197,17 @@ def test_mfu_uses_the_models_flops_and_the_stated_peak(tmp_path):
     assert plain.peak_tflops is None  # CPU: no peak known, so no MFU is claimed
 
 
-def test_progress_bar_and_log_lines(tmp_path, capsys):
+@pytest.mark.parametrize("tty, tqdm_disable, bar", [(True, None, True), (True, "1", False), (False, None, False)])
+def test_progress_bar_only_on_a_terminal_and_timestamped_lines(tmp_path, capsys, monkeypatch, tty, tqdm_disable, bar):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: tty)
+    if tqdm_disable:
+        monkeypatch.setenv("TQDM_DISABLE", tqdm_disable)
     torch.manual_seed(0)
     Trainer(TinyLM(), _cfg(max_steps=4, log_every=2, progress=True), SeqData(4), run_dir=tmp_path).fit()
     captured = capsys.readouterr()
-    assert "train" in captured.err  # tqdm writes its bar to stderr
-    lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ")]
+    assert ("train:" in captured.err) == bar and ("\r" in captured.err) == bar  # tqdm draws on stderr
+    lines = [
+        ln.split("] ", 1)[1] for ln in captured.out.splitlines() if re.match(r"\[trainloop \d\d:\d\d:\d\d\] step ", ln)
+    ]
     assert [ln.split(" |")[0] for ln in lines] == ["step 2", "step 4"]
     assert all("lr " in ln and "gnorm " in ln and "tok/s " in ln and "mem " in ln for ln in lines)

@@ -35,7 +35,7 @@ def calibrate(
     ``percentile`` of each group as its threshold. Parameters matching no pattern are reported under the catch-all
     pattern ``"*"``, so the JSON can be handed straight to ``TrainConfig(clip_groups=path)``.
 
-    The write-up's recipe is the 95th percentile over 100 batches at step 500.
+    The reference 1.3B recipe takes the 95th percentile over 100 batches at step 500.
 
     Example:
         >>> calibrate(model, cfg, loader, run_dir="runs/cal", patterns=["embed.*", "*.o_proj.*", "norm_f.*"],

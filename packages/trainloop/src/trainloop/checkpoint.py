@@ -1,8 +1,15 @@
-"""Atomic checkpoint directories: write into a temporary directory, manifest of SHA-256 last, then rename.
+"""Atomic checkpoint directories, owned by one object: :class:`CheckpointStore`.
 
-A checkpoint is ``<run_dir>/checkpoints/step_<N>/`` holding ``model.safetensors`` (consolidated fp32 weights),
-engine state, one ``rank<r>.pt`` per rank (RNG states, loader state) and ``manifest.json``. A directory without a
-manifest, or whose files do not match it, is incomplete: a kill at any moment leaves the previous one intact.
+A checkpoint is ``<run_dir>/checkpoints/step_<N>/`` holding the consolidated weights (``model.safetensors``, with
+``config.json`` when the model saves itself), the engine's state, one ``rank<r>.pt`` per rank (RNG states, loader
+state, schedule state) and ``manifest.json`` (size and SHA-256 of every file), written last before the directory
+is renamed into place. A directory without a manifest, or whose files do not match it, is incomplete: a kill at
+any moment leaves the previous checkpoint intact. ``checkpoints/best.json`` points at the checkpoint with the best
+evaluation so far.
+
+Every state file the toolkit itself writes loads with ``torch.load(weights_only=True)``: a checkpoint cannot run
+code through them. DeepSpeed's own optimizer shards (the ``deepspeed/`` subdirectory) are loaded by DeepSpeed,
+which unpickles: resume only from run directories you trust.
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +30,14 @@ from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
-_PREFIX = "step_"
-_TMP_PREFIX = ".tmp-step_"
+BEST_FILE = "best.json"
+_STEP_RE = re.compile(r"step_(\d{8})")
+_TMP_RE = re.compile(r"\.tmp-step_(\d{8})")
+VERIFY_MODES = ("sizes", "full")
 
 
-def checkpoints_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (incomplete, not found, unsafe); the message names the path and the fix."""
 
 
 def sha256_file(path: Path) -> str:
@@ -41,97 +48,246 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
-    """Create (afresh) the temporary directory a checkpoint for ``step`` is written into (rank 0 only)."""
-    tmp = checkpoints_dir(run_dir) / f"{_TMP_PREFIX}{step:08d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+def read_manifest(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a well-formed ``manifest.json`` under ``path``, else (None, the reason it is not).
 
-
-def finish_checkpoint(tmp: Path, step: int, meta: dict[str, Any] | None = None) -> Path:
-    """Hash every file, write the manifest last, fsync, and rename into place (rank 0 only)."""
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        files[str(path.relative_to(tmp))] = sha256_file(path)
-    manifest = {"step": step, "files": files, **(meta or {})}
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    final = tmp.parent / step_dir_name(step)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    dir_fd = os.open(tmp.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return final
-
-
-def verify_checkpoint(path: str | Path, *, hashes: bool = True) -> str | None:
-    """None when ``path`` is a complete checkpoint, else the reason it is not."""
+    Well-formed: a JSON object with an integer ``step`` and a non-empty ``files`` mapping of relative paths that
+    stay inside the checkpoint to a SHA-256 hex digest or ``{"sha256": ..., "bytes": ...}``.
+    """
     path = Path(path)
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest (the save was interrupted)"
+        return None, "no manifest (the save was interrupted)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        return f"unreadable manifest: {exc}"
-    for rel, digest in manifest.get("files", {}).items():
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"unreadable manifest: {exc}"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        return None, "malformed manifest (expected an object with a non-empty 'files' mapping)"
+    if not isinstance(manifest.get("step"), int):
+        return None, "malformed manifest (no integer 'step')"
+    root = path.resolve()
+    for rel, entry in manifest["files"].items():
+        inside = not os.path.isabs(rel) and ".." not in Path(rel).parts
+        if not inside or not (root / rel).resolve().is_relative_to(root):
+            return None, f"manifest entry {rel!r} points outside the checkpoint"
+        digest = entry.get("sha256") if isinstance(entry, dict) else entry
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            return None, f"malformed manifest entry for {rel!r}"
+    return manifest, None
+
+
+def verify_checkpoint(path: str | Path, *, verify: str = "full") -> str | None:
+    """None when ``path`` is a complete checkpoint, else the reason it is not.
+
+    ``verify="sizes"`` checks the manifest and that every file is present with its recorded size (cheap: what
+    resume and evaluation do by default); ``"full"`` also recomputes every SHA-256 (reads every byte).
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: allowed values are {', '.join(VERIFY_MODES)}")
+    path = Path(path)
+    manifest, reason = read_manifest(path)
+    if manifest is None:
+        return reason
+    for rel, entry in manifest["files"].items():
         f = path / rel
         if not f.is_file():
             return f"missing file {rel}"
-        if hashes and sha256_file(f) != digest:
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if size is not None and f.stat().st_size != size:
+            return f"size mismatch in {rel} ({f.stat().st_size} bytes, manifest says {size})"
+        digest = entry["sha256"] if isinstance(entry, dict) else entry
+        if verify == "full" and sha256_file(f) != digest:
             return f"SHA-256 mismatch in {rel}"
     return None
 
 
-def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint and the (path, reason) of every newer or temporary one it skipped."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return None, []
-    candidates = sorted(
-        (p for p in root.iterdir() if p.is_dir() and (p.name.startswith(_PREFIX) or p.name.startswith(_TMP_PREFIX))),
-        key=lambda p: (int(p.name.rsplit("_", 1)[1]), p.name.startswith(_PREFIX)),
-        reverse=True,
-    )
-    skipped: list[tuple[Path, str]] = []
-    for p in candidates:
-        if p.name.startswith(_TMP_PREFIX):
-            skipped.append((p, "temporary directory of an interrupted save"))
-            continue
-        reason = verify_checkpoint(p)
-        if reason is None:
-            return p, skipped
-        skipped.append((p, reason))
-    return None, skipped
+class CheckpointStore:
+    """The checkpoints of one run directory: their names, atomic writes, verification, choice and pruning.
+
+    Example:
+        >>> store = CheckpointStore("runs/demo")
+        >>> store.step_dir(1000).name
+        'step_00001000'
+        >>> store.resolve("best")  # doctest: +SKIP
+        (PosixPath('runs/demo/checkpoints/step_00000800'), [])
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
+
+    # -------------------------------------------------------------------------------------------- names
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.root / f".tmp-step_{step:08d}"
+
+    @staticmethod
+    def rank_file(ckpt: Path, rank: int) -> Path:
+        return ckpt / f"rank{rank}.pt"
+
+    def _scan(self) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
+        """(step, path) of checkpoint directories and of temporary ones; names of any other shape are ignored."""
+        done: list[tuple[int, Path]] = []
+        tmp: list[tuple[int, Path]] = []
+        if not self.root.is_dir():
+            return done, tmp
+        for p in self.root.iterdir():
+            if not p.is_dir():
+                continue
+            if m := _STEP_RE.fullmatch(p.name):
+                done.append((int(m.group(1)), p))
+            elif m := _TMP_RE.fullmatch(p.name):
+                tmp.append((int(m.group(1)), p))
+        return sorted(done), sorted(tmp)
+
+    def steps(self) -> list[int]:
+        """Steps of every checkpoint directory present (complete or not), ascending."""
+        return [s for s, _ in self._scan()[0]]
+
+    # -------------------------------------------------------------------------------------------- writing
+    def begin(self, step: int) -> Path:
+        """Create (afresh) the temporary directory a checkpoint for ``step`` is written into (rank 0 only)."""
+        tmp = self.tmp_dir(step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def finish(self, tmp: Path, step: int, meta: dict[str, Any] | None = None) -> Path:
+        """Hash every file, write the manifest last, fsync, and rename into place (rank 0 only)."""
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = {"step": step, "files": files, **(meta or {})}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = self.step_dir(step)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        return final
+
+    def mark_best(self, step: int, metric: str, value: float) -> None:
+        """Point ``best.json`` at the checkpoint of ``step`` (which must exist), atomically (rank 0 only)."""
+        data = {"step": step, "checkpoint": self.step_dir(step).name, "metric": metric, "value": value}
+        tmp = self.root / f".{BEST_FILE}.tmp"
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, self.root / BEST_FILE)
+
+    def best(self) -> dict[str, Any] | None:
+        """The best-checkpoint record (``step``, ``checkpoint``, ``metric``, ``value``), or None without one."""
+        try:
+            data = json.loads((self.root / BEST_FILE).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        ok = isinstance(data, dict) and isinstance(data.get("step"), int) and isinstance(data.get("value"), float)
+        return data if ok else None
+
+    def prune(self, keep_last: int, current_step: int) -> list[Path]:
+        """Delete complete checkpoints older than the newest ``keep_last`` at or before ``current_step``, and stale
+        temporary directories; never the best checkpoint and never one after ``current_step`` (rank 0 only)."""
+        done, tmp = self._scan()
+        best = self.best()
+        best_step = best["step"] if best else None
+        mine = [p for s, p in done if s <= current_step and s != best_step and (p / MANIFEST).is_file()]
+        removed = mine[:-keep_last] if keep_last < len(mine) else []
+        removed += [p for _, p in tmp]
+        for p in removed:
+            shutil.rmtree(p, ignore_errors=True)
+        return removed
+
+    def clear(self) -> None:
+        """Delete every checkpoint and the best pointer (a run started over with ``--overwrite``)."""
+        if self.root.is_dir():
+            shutil.rmtree(self.root)
+
+    # -------------------------------------------------------------------------------------------- choosing
+    def find_resumable(self, verify: str = "sizes") -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The newest complete checkpoint and the (path, reason) of every newer or temporary one it skipped."""
+        done, tmp = self._scan()
+        candidates = sorted([(s, 1, p) for s, p in done] + [(s, 0, p) for s, p in tmp], reverse=True)
+        skipped: list[tuple[Path, str]] = []
+        for _, complete_name, p in candidates:
+            if not complete_name:
+                skipped.append((p, "temporary directory of an interrupted save"))
+                continue
+            reason = verify_checkpoint(p, verify=verify)
+            if reason is None:
+                return p, skipped
+            skipped.append((p, reason))
+        return None, skipped
+
+    def resolve(self, which: str | int = "latest", verify: str = "sizes") -> tuple[Path, list[str]]:
+        """The checkpoint named by ``which`` and notes on what was skipped or fallen back from.
+
+        ``which``: ``"latest"`` (newest complete), ``"best"`` (lowest evaluation loss; the latest when the run has
+        no evaluation yet), a step number, or the path of a checkpoint directory. Raises CheckpointError when
+        nothing usable matches.
+        """
+        notes: list[str] = []
+        if which == "best":
+            best = self.best()
+            if best is not None:
+                path = self.root / best["checkpoint"]
+                reason = (
+                    "outside the checkpoints directory"
+                    if not _STEP_RE.fullmatch(str(best["checkpoint"]))
+                    else verify_checkpoint(path, verify=verify)
+                )
+                if reason is None:
+                    return path, notes
+                notes.append(f"best checkpoint {best['checkpoint']} is unusable ({reason}); using the latest")
+            else:
+                notes.append("no evaluated best checkpoint in this run; using the latest")
+            which = "latest"
+        if which == "latest":
+            path, skipped = self.find_resumable(verify)
+            notes += [f"skipped {p.name}: {reason}" for p, reason in skipped]
+            if path is None:
+                raise CheckpointError(f"{self.root}: no complete checkpoint" + (f" ({'; '.join(notes)})" if notes
+                                      else "") + "; train first or pick another run")  # fmt: skip
+            if skipped:
+                notes.append(f"fell back to {path.name}")
+            return path, notes
+        if isinstance(which, int) or (isinstance(which, str) and which.isdigit()):
+            path = self.step_dir(int(which))
+            if not path.is_dir():
+                have = ", ".join(str(s) for s in self.steps()) or "none"
+                raise CheckpointError(f"{self.root}: no checkpoint for step {int(which)} (steps present: {have})")
+        else:
+            path = Path(which)
+            if not path.is_dir():
+                raise CheckpointError(
+                    f"checkpoint {which!r}: not 'latest', 'best', a step number or a checkpoint directory"
+                )
+        reason = verify_checkpoint(path, verify=verify)
+        if reason is not None:
+            raise CheckpointError(f"{path}: incomplete checkpoint ({reason}); pick another (`latest` or a step)")
+        return path, notes
+
+
+def _fsync_dir(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``run_dir`` (manifest present, hashes match), or None.
+    """The newest complete checkpoint under ``run_dir`` (manifest present, sizes match), or None.
 
     Example:
         >>> latest_checkpoint("runs/demo")  # doctest: +SKIP
         PosixPath('runs/demo/checkpoints/step_00001000')
     """
-    return find_resumable(run_dir)[0]
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints and any stale temporary directory."""
-    root = checkpoints_dir(run_dir)
-    done = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / MANIFEST).is_file())
-    removed = done[:-keep_last] if keep_last < len(done) else []
-    removed += [p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX)]
-    for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
-    return removed
+    return CheckpointStore(run_dir).find_resumable()[0]
 
 
 def save_model_weights(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -142,6 +298,32 @@ def save_model_weights(state: dict[str, torch.Tensor], path: Path) -> None:
         v = v.detach().to("cpu")
         out[k] = (v.float() if v.is_floating_point() else v).contiguous().clone()
     save_file(out, str(path))
+
+
+def write_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """The checkpoint's consolidated weights: through the model's own ``save_pretrained(directory, state_dict=)``
+    when it has one (its own layout, with its config, loadable by its ``from_pretrained``), else ``model.safetensors``
+    holding ``state`` as is."""
+    own: Callable[..., Any] | None = getattr(module, "save_pretrained", None)
+    if own is not None:
+        own(directory, state_dict=state)
+    else:
+        save_model_weights(state, directory / MODEL_FILE)
+
+
+def read_weights(module: torch.nn.Module, checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> None:
+    """Load a checkpoint's consolidated weights into ``module`` strictly; a tied weight stored once under one of
+    its names (as ``save_pretrained`` layouts do) is filled in under the others."""
+    state = load_model_weights(checkpoint_dir, device)
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for names in aliases.values():
+        present = [n for n in names if n in state]
+        for n in names:
+            if present and n not in state:
+                state[n] = state[present[0]]
+    module.load_state_dict(state)
 
 
 def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -157,16 +339,24 @@ def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = 
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG the loop touches: python, numpy, torch CPU and (when present) CUDA."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG the loop touches (python, numpy, torch CPU and, when present, CUDA) as tensors, numbers and
+    tuples only, so the state loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -180,5 +370,13 @@ def save_torch(obj: Any, path: Path) -> None:
 
 
 def load_torch(path: Path, device: str | torch.device = "cpu") -> Any:
-    # Our own files hold numpy RNG states and plain Python objects, which weights_only=True rejects.
-    return torch.load(path, map_location=device, weights_only=False)
+    """A state file of ours, with ``weights_only=True``: tensors, numbers, strings and containers only; anything
+    else (a pickled object, code) is refused with one line."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # the unpickler's errors carry no stable type: UnpicklingError, RuntimeError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path}: refused to load (not a plain tensor/number/string state file: {first[:200]}); "
+            "a checkpoint written by this toolkit never needs more, so this file was altered or comes from elsewhere"
+        ) from exc

@@ -13,6 +13,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("torch", "deepspeed")
 
 
+class ConfigError(ValueError):
+    """A TrainConfig or DeepSpeed config value that cannot work; the message names the field and what is allowed."""
+
+
 @dataclass
 class TrainConfig:
     """Hyper-parameters and intervals of one training run.
@@ -53,7 +57,12 @@ class TrainConfig:
     # Intervals and bookkeeping.
     log_every: int = 10
     eval_every: int = 0
+    eval_every_s: float = 0.0  # also evaluate each time this many seconds of training have passed (0: off)
     eval_batches: int | None = None
+    # Each evaluation that improves the loss makes its step's checkpoint the run's best (checkpoints/best.json);
+    # after early_stopping_patience evaluations in a row without improvement the run stops (0: never).
+    keep_best: bool = True
+    early_stopping_patience: int = 0
     save_every: int = 0
     keep_last: int = 3
     seed: int = 0
@@ -69,12 +78,13 @@ class TrainConfig:
     flops_per_token: float | None = None  # None: 6 * n_params (or the model's own figure)
     inspect_steps: list[int] = field(default_factory=list)
     progress: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = False  # scalars under run_dir/tensorboard (the `tensorboard` extra)
+    wandb_project: str | None = None  # a Weights & Biases project to log to (the `wandb` extra); None: off
 
     def __post_init__(self) -> None:
         def need(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+                raise ConfigError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
 
         def positive_float(name: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
@@ -111,7 +121,7 @@ class TrainConfig:
         need(self.precision in PRECISIONS, "precision", f"allowed values are {', '.join(PRECISIONS)}")
         positive_float("scaler_init_scale")
         need(isinstance(self.scaler_growth_factor, (int, float)) and self.scaler_growth_factor > 1,
-             "scaler_growth_factor", "must be > 1 (the write-up uses 1.001)")  # fmt: skip
+             "scaler_growth_factor", "must be > 1 (e.g. 1.001 for a slowly growing fp16 scale)")  # fmt: skip
         need(isinstance(self.scaler_backoff_factor, (int, float)) and 0 < self.scaler_backoff_factor < 1,
              "scaler_backoff_factor", "must be in (0, 1)")  # fmt: skip
         int_at_least("scaler_growth_interval", 1)
@@ -128,6 +138,9 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "save_every"):
             int_at_least(name, 0)
         need(self.log_every >= 1, "log_every", "must be >= 1")
+        positive_float("eval_every_s", allow_zero=True)
+        need(isinstance(self.keep_best, bool), "keep_best", "must be true or false")
+        int_at_least("early_stopping_patience", 0)
         if self.eval_batches is not None:
             int_at_least("eval_batches", 1)
         int_at_least("keep_last", 1)
@@ -147,6 +160,9 @@ class TrainConfig:
         need(isinstance(steps, (list, tuple)) and all(isinstance(s, int) and s >= 1 for s in steps),
              "inspect_steps", "must be a list of step numbers >= 1")  # fmt: skip
         self.inspect_steps = list(steps)
+        need(isinstance(self.tensorboard, bool), "tensorboard", "must be true or false")
+        need(self.wandb_project is None or (isinstance(self.wandb_project, str) and self.wandb_project.strip() != ""),
+             "wandb_project", "must be a W&B project name or None (off)")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; ``TrainConfig(**d)`` rebuilds the config."""
@@ -158,7 +174,7 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"TrainConfig has no field(s) {unknown}; known fields: {sorted(known)}")
+            raise ConfigError(f"TrainConfig has no field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**data)
 
 
@@ -168,8 +184,8 @@ def load_clip_groups(path: str | Path) -> dict[str, float]:
     try:
         data = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"TrainConfig.clip_groups: cannot read thresholds from {p}: {exc}") from exc
+        raise ConfigError(f"TrainConfig.clip_groups: cannot read thresholds from {p}: {exc}") from exc
     groups = data.get("thresholds", data) if isinstance(data, dict) else None
     if not isinstance(groups, dict):
-        raise ValueError(f"TrainConfig.clip_groups: {p} holds no {{pattern: threshold}} mapping")
+        raise ConfigError(f"TrainConfig.clip_groups: {p} holds no {{pattern: threshold}} mapping")
     return {str(k): float(v) for k, v in groups.items()}

@@ -8,6 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainloop.extras import import_extra
+
 
 def env_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) outside it."""
@@ -26,7 +28,7 @@ def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.de
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if engine == "deepspeed":
-        import deepspeed
+        deepspeed = import_extra("deepspeed", "deepspeed", "TrainConfig.engine='deepspeed'")
 
         if world == 1:
             # DeepSpeed insists on a process group; a one-rank group on a private port costs nothing.

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainloop.config import TrainConfig
+from trainloop.config import ConfigError, TrainConfig
 
 
 def load_ds_config(source: dict[str, Any] | str | Path | None) -> dict[str, Any]:
@@ -20,9 +20,9 @@ def load_ds_config(source: dict[str, Any] | str | Path | None) -> dict[str, Any]
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"ds_config: cannot read {path}: {exc}") from exc
+        raise ConfigError(f"ds_config: cannot read {path}: {exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"ds_config: {path} must hold a JSON object")
+        raise ConfigError(f"ds_config: {path} must hold a JSON object")
     return data
 
 
@@ -49,7 +49,7 @@ def build_ds_config(
     for key, ours in want.items():
         if key in ds and ds[key] != ours:
             field = "micro_batch" if key.startswith("train_micro") else "grad_accum"
-            raise ValueError(
+            raise ConfigError(
                 f"ds_config {key}={ds[key]} disagrees with TrainConfig.{field}={ours}: set {field}={ds[key]} "
                 f"or remove {key} from the DeepSpeed config"
             )
@@ -59,7 +59,7 @@ def build_ds_config(
         tbs = ds["train_batch_size"]
         hint = tbs / (accum * world_size)
         fix = f"micro_batch={int(hint)}" if hint == int(hint) else "a micro_batch that divides it"
-        raise ValueError(
+        raise ConfigError(
             f"ds_config train_batch_size={tbs} but TrainConfig.micro_batch={micro} x grad_accum={accum} x "
             f"world_size={world_size} = {total}: set {fix} or change train_batch_size"
         )
@@ -68,7 +68,7 @@ def build_ds_config(
         opt = ds.pop("optimizer")
         kind = str(opt.get("type", "")).lower()
         if kind not in ("adam", "adamw"):
-            raise ValueError(f"ds_config optimizer type {opt.get('type')!r}: the loop trains with AdamW only")
+            raise ConfigError(f"ds_config optimizer type {opt.get('type')!r}: the loop trains with AdamW only")
         notes.append(f"optimizer block {opt} replaced by torch AdamW with TrainConfig lr={config.lr} and its schedule")
     if "scheduler" in ds:
         ds.pop("scheduler")
@@ -81,10 +81,12 @@ def build_ds_config(
     for key, name in (("fp16", "fp16"), ("bf16", "bf16")):
         enabled = bool(ds.get(key, {}).get("enabled", False))
         if enabled and config.precision != name:
-            raise ValueError(f"ds_config enables {key} but TrainConfig.precision={config.precision!r}: make them agree")
+            raise ConfigError(
+                f"ds_config enables {key} but TrainConfig.precision={config.precision!r}: make them agree"
+            )
     if config.precision == "fp16":
         if on_cpu:
-            raise ValueError("TrainConfig.precision='fp16' does not work with DeepSpeed on CPU: use 'bf16' or 'fp32'")
+            raise ConfigError("TrainConfig.precision='fp16' does not work with DeepSpeed on CPU: use 'bf16' or 'fp32'")
         ds.setdefault("fp16", {}).update(
             enabled=True,
             initial_scale_power=int(math.log2(config.scaler_init_scale)),
@@ -95,7 +97,7 @@ def build_ds_config(
     zero = ds.setdefault("zero_optimization", {})
     zero.setdefault("stage", config.zero_stage)
     if zero["stage"] not in (0, 1, 2, 3):
-        raise ValueError(f"ds_config zero_optimization.stage={zero['stage']}: allowed values are 0, 1, 2, 3")
+        raise ConfigError(f"ds_config zero_optimization.stage={zero['stage']}: allowed values are 0, 1, 2, 3")
     # Our optimizer is torch AdamW; DeepSpeed would otherwise insist on its own CPU Adam when offloading.
     ds["zero_force_ds_cpu_optimizer"] = False
     ds["zero_allow_untested_optimizer"] = True

@@ -9,17 +9,17 @@ applied to those fragments in place, before ``engine.step()`` hands them to the 
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainloop.checkpoint import MODEL_FILE, save_model_weights
-from trainloop.clipping import adamw_param_groups
+from trainloop.checkpoint import write_weights
 from trainloop.config import TrainConfig
 from trainloop.ds_config import build_ds_config
+from trainloop.engine import make_adamw
 from trainloop.engine_torch import loss_of
+from trainloop.extras import import_extra
 
 DS_SUBDIR = "deepspeed"
 DS_TAG = "state"
@@ -41,34 +41,25 @@ def _local_fragment(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 
 class DeepSpeedEngine:
-    """``deepspeed.initialize`` with the reconciled config; the trainer drives it like :class:`TorchEngine`."""
+    """``deepspeed.initialize`` with the reconciled config; implements :class:`trainloop.engine.Engine`."""
 
     name = "deepspeed"
 
     def __init__(
         self, model: torch.nn.Module, config: TrainConfig, device: torch.device, ds_config: Any, world_size: int
     ) -> None:
-        import deepspeed
+        deepspeed = import_extra("deepspeed", "deepspeed", "TrainConfig.engine='deepspeed'")
 
         self.config = config
         self.device = device
         self.ds_config, self.notes = build_ds_config(ds_config, config, world_size, on_cpu=device.type == "cpu")
-        optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, config.weight_decay),
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-        )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=self.ds_config
+            model=model, optimizer=make_adamw(model, config), config=self.ds_config
         )
         self.module = self.engine.module
         self.stage = int(self.ds_config["zero_optimization"]["stage"])
         self._params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self._params]
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # DeepSpeed casts the module itself for bf16/fp16
 
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool, n_micro: int) -> torch.Tensor:
         # engine.backward divides by gradient_accumulation_steps itself.
@@ -100,7 +91,7 @@ class DeepSpeedEngine:
         return out, partitioned
 
     def after_clip(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """ZeRO-3 hands out copies of the local gradient: write the clipped ones back."""
+        """ZeRO-3 hands out copies of the local gradient: write the clipped ones back (ZeRO-1/2 gave views)."""
         if self.stage == 3:
             from deepspeed.utils import safe_set_local_grad
 
@@ -114,10 +105,6 @@ class DeepSpeedEngine:
         from deepspeed.utils import safe_get_full_grad
 
         return [(n, g) for n, p in self._params if (g := safe_get_full_grad(p)) is not None]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def step(self) -> None:
         self.engine.step()
@@ -174,7 +161,7 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(ckpt_dir / DS_SUBDIR), tag=DS_TAG, client_state=client_state)
         state = self.full_state_dict()
         if rank == 0:
-            save_model_weights(state, ckpt_dir / MODEL_FILE)
+            write_weights(self.module, state, ckpt_dir)
 
     def load(self, ckpt_dir: Path) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(
@@ -183,3 +170,6 @@ class DeepSpeedEngine:
         if path is None:
             raise RuntimeError(f"{ckpt_dir}: DeepSpeed found no checkpoint to load (different world size?)")
         return dict(client_state or {})
+
+    def config_files(self) -> dict[str, Any]:
+        return {"ds_config.json": self.ds_config}

@@ -10,11 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainloop.checkpoint import MODEL_FILE, load_model_weights, load_torch, save_model_weights, save_torch
-from trainloop.clipping import adamw_param_groups
+from trainloop.checkpoint import load_torch, read_weights, save_torch, write_weights
 from trainloop.config import TrainConfig
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from trainloop.engine import autocast, make_adamw
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -38,7 +36,9 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 class TorchEngine:
-    """AdamW on the model's own parameters; DDP when a process group with more than one rank exists."""
+    """AdamW on the model's own parameters; DDP when a process group with more than one rank exists.
+
+    Implements :class:`trainloop.engine.Engine`."""
 
     name = "torch"
 
@@ -52,13 +52,7 @@ class TorchEngine:
             if self.distributed
             else model
         )
-        self.optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, config.weight_decay),
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-        )
-        self.autocast_dtype = AUTOCAST_DTYPES[config.precision]
+        self.optimizer = make_adamw(model, config)
         self.scaler = torch.amp.GradScaler(
             device.type,
             init_scale=config.scaler_init_scale,
@@ -70,16 +64,11 @@ class TorchEngine:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for p in model.named_parameters() if p[1].requires_grad]
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool, n_micro: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; gradients sync across ranks only on the last one."""
         sync = contextlib.nullcontext() if (is_last or not self.distributed) else self.model.no_sync()
         with sync:
-            with self.autocast():
+            with autocast(self.device, self.config.precision):
                 loss = loss_of(self.model(inputs, targets))
             self.scaler.scale(loss / n_micro if n_micro > 1 else loss).backward()
         return loss.detach()
@@ -95,12 +84,11 @@ class TorchEngine:
         already averaged full gradients)."""
         return [(n, p.grad) for n, p in self._params if p.grad is not None], False
 
+    def after_clip(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The clipped gradients are the parameters' own: nothing to hand back."""
+
     def full_grads(self) -> list[tuple[str, torch.Tensor]]:
         return self.local_grads()[0]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def step(self) -> None:
         if self.scaler.is_enabled():
@@ -120,7 +108,7 @@ class TorchEngine:
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None
 
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
+        with autocast(self.device, self.config.precision):
             return loss_of(self.module(inputs, targets))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -128,13 +116,16 @@ class TorchEngine:
 
     def save(self, ckpt_dir: Path, client_state: dict[str, Any], rank: int) -> None:
         if rank == 0:
-            save_model_weights(self.full_state_dict(), ckpt_dir / MODEL_FILE)
+            write_weights(self.module, self.full_state_dict(), ckpt_dir)
             state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), **client_state}
             save_torch(state, ckpt_dir / "trainer.pt")
 
     def load(self, ckpt_dir: Path) -> dict[str, Any]:
-        self.module.load_state_dict(load_model_weights(ckpt_dir, self.device))
+        read_weights(self.module, ckpt_dir, self.device)
         state = load_torch(ckpt_dir / "trainer.pt", self.device)
         self.optimizer.load_state_dict(state.pop("optimizer"))
         self.scaler.load_state_dict(state.pop("scaler"))
         return state
+
+    def config_files(self) -> dict[str, Any]:
+        return {}

@@ -13,6 +13,11 @@ class NonFiniteLossError(RuntimeError):
     """Raised after ``max_consecutive_skips`` steps in a row had a non-finite loss or gradient norm."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective operation failed: another rank most likely died or hung. Resuming from the latest checkpoint
+    (torchrun ``--max-restarts``) continues the run."""
+
+
 def collective_failure(exc: BaseException) -> bool:
     """True for errors raised by a collective whose peer died or timed out (gloo, nccl, torch DistError)."""
     if isinstance(exc, getattr(dist, "DistError", ())):

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
 from trainloop.clipping import ClipGroups
+from trainloop.extras import MissingExtraError
+from trainloop.plotting import new_figure
 
 
 def inspect_gradients(
     named_grads: list[tuple[str, torch.Tensor]], out_dir: Path, step: int, groups: ClipGroups, *, write: bool = True
 ) -> Path | None:
     """Write ``grads_step<N>.tsv`` (name, group, shape, L2 norm, max |g|, RMS) and ``grads_step<N>.png``
-    (per-parameter norms and the distribution of log10 |g|), from full unscaled gradients.
+    (per-parameter norms and the distribution of log10 |g|), from full unscaled gradients. Without matplotlib (the
+    ``plot`` extra) the table is still written and a one-line warning says the PNG was not.
 
     Example:
         >>> inspect_gradients(list(zip(names, grads)), Path("runs/demo/inspect"), 100, groups)  # doctest: +SKIP
@@ -33,12 +37,12 @@ def inspect_gradients(
         for name, group, shape, norm, mx, rms in rows:
             f.write(f"{name}\t{group}\t{'x'.join(map(str, shape))}\t{norm:.6e}\t{mx:.6e}\t{rms:.6e}\n")
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, max(4, 0.18 * len(rows))))
+    try:
+        fig = new_figure((12, max(4, 0.18 * len(rows))), f"TrainConfig.inspect_steps (grads_step{step}.png)")
+    except MissingExtraError as exc:
+        print(f"trainloop: warning: {exc}; wrote {table.name} only", file=sys.stderr, flush=True)
+        return table
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.barh([r[0] for r in rows], [r[3] for r in rows])
     ax1.set_xscale("log")
     ax1.invert_yaxis()
@@ -53,5 +57,4 @@ def inspect_gradients(
     fig.suptitle(f"gradients at step {step}")
     fig.tight_layout()
     fig.savefig(out_dir / f"grads_step{step}.png", dpi=80)
-    plt.close(fig)
     return table

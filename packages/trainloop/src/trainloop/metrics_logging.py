@@ -1,16 +1,24 @@
-"""One line and one metrics.jsonl record every log_every steps; TensorBoard when installed; MFU by PaLM's formula."""
+"""Every log_every steps one line and one metrics.jsonl record (TensorBoard, W&B when asked for); MFU by PaLM's formula.
+
+TensorBoard and Weights & Biases are extras (``tensorboard``, ``wandb``): off unless the config asks for them, and
+asked for but not installed, a one-line warning names the extra and the run goes on without them.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# Dense bf16 peak per device in TFLOP/s, matched against torch.cuda.get_device_name(); FACTS.md gives the sources.
+from trainloop.extras import MissingExtraError, import_extra
+
+# Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): NVIDIA's
+# datasheets for H200/H100 SXM (989.5) and A100 (312); the GA102 whitepaper for the RTX 3090 (71, fp32 accumulate).
 PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0, "A100": 312.0, "RTX 3090": 71.0}
 
 
@@ -63,13 +71,49 @@ def add_throughput(
         record["peak_tflops"] = peak
 
 
-class MetricsLogger:
-    """Writes ``metrics.jsonl`` (and TensorBoard scalars) on rank 0; other ranks log nothing."""
+def _optional_logger(module: str, extra: str, field: str) -> Any:
+    """The logging library, or None after a one-line warning naming the extra that installs it."""
+    try:
+        return import_extra(module, extra, f"TrainConfig.{field}")
+    except MissingExtraError as exc:
+        print(f"trainloop: warning: {exc}; logging to metrics.jsonl only", file=sys.stderr, flush=True)
+        return None
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: int | None) -> None:
+
+def _tensorboard_writer(run_dir: Path, resume_step: int | None) -> Any:
+    if _optional_logger("tensorboard", "tensorboard", "tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    # TensorBoard hides events at steps >= purge_step from earlier files in the same directory: on resume those are
+    # the abandoned steps after the checkpoint, on a fresh start every step of an earlier run.
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=0 if resume_step is None else resume_step + 1)
+
+
+def _wandb_run(run_dir: Path, project: str) -> Any:
+    wandb = _optional_logger("wandb", "wandb", "wandb_project")
+    if wandb is None:
+        return None
+    # A resumed run becomes a new W&B run in the same group: W&B's own steps must only grow within one run.
+    return wandb.init(project=project, dir=str(run_dir), name=run_dir.name, group=run_dir.name)
+
+
+class MetricsLogger:
+    """Writes ``metrics.jsonl`` (and TensorBoard / W&B scalars when asked for) on rank 0; other ranks log nothing."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        resume_step: int | None,
+        wandb_project: str | None = None,
+    ) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,12 +127,9 @@ class MetricsLogger:
             self.path.unlink()
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
+            self.tb = _tensorboard_writer(run_dir, resume_step)
+        if wandb_project is not None:
+            self.wandb = _wandb_run(run_dir, wandb_project)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -96,16 +137,22 @@ class MetricsLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
+        scalars = {
+            k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
+        }
         if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             if self.tb is not None:
                 self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
 
 
 def format_line(record: dict[str, Any]) -> str:

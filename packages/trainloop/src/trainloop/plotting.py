@@ -1,9 +1,32 @@
-"""plot_metrics: loss, learning rate and gradient norms from metrics.jsonl to one PNG."""
+"""plot_metrics: loss, learning rate and gradient norms from metrics.jsonl to one PNG.
+
+Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no ``matplotlib.use``), so plotting never changes
+the backend or the open figures of the program that calls it. matplotlib is the ``plot`` extra.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainloop.extras import import_extra
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def new_figure(figsize: tuple[float, float], purpose: str) -> Figure:
+    """An empty matplotlib Figure on its own Agg canvas; :class:`~trainloop.extras.MissingExtraError` without matplotlib.
+
+    Example:
+        >>> fig = new_figure((8, 6), "plot_metrics")  # fig.subplots(...), fig.savefig("out.png")
+    """
+    figure = import_extra("matplotlib.figure", "plot", purpose)
+    backend_agg = import_extra("matplotlib.backends.backend_agg", "plot", purpose)
+    fig = figure.Figure(figsize=figsize)
+    backend_agg.FigureCanvasAgg(fig)
+    return fig
 
 
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
@@ -12,18 +35,14 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     Example:
         >>> plot_metrics("runs/demo/metrics.jsonl", "runs/demo/metrics.png")  # doctest: +SKIP
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
     train = [r for r in records if "loss" in r and r.get("loss") is not None]
     evals = [r for r in records if "eval_loss" in r]
     if not train:
         raise ValueError(f"{metrics_jsonl}: no training records to plot")
     steps = [r["step"] for r in train]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    fig = new_figure((8, 9), "plot_metrics")
+    axes = fig.subplots(3, 1, sharex=True)
     axes[0].plot(steps, [r["loss"] for r in train], label="train")
     if evals:
         axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
@@ -42,5 +61,4 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 from trainloop.config import TrainConfig
 
@@ -36,3 +37,47 @@ def lr_at(step: int, config: TrainConfig) -> float:
     if step < decay_start:
         return lr
     return lr + (low - lr) * (step - decay_start) / max(1, decay)
+
+
+class Schedule(Protocol):
+    """What the loop asks every step: the learning rate of a step and the step the run ends at. ``observe`` lets
+    a schedule re-plan itself in place from the training time so far (identical on every rank: the loop passes
+    the ranks' agreed time); its state goes into every checkpoint."""
+
+    max_steps: int
+
+    def lr(self, step: int) -> float: ...
+
+    def observe(self, step: int, elapsed_s: float) -> str | None:
+        """Called after each optimizer step; returns a message when the plan changed, else None."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ConfigSchedule:
+    """The closed-form schedule of a TrainConfig (:func:`lr_at`), ending at ``max_steps``; it never re-plans.
+
+    Example:
+        >>> ConfigSchedule(TrainConfig(lr=1e-3, warmup_steps=10, max_steps=100)).lr(10)
+        0.001
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.max_steps = config.max_steps
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.config)
+
+    def observe(self, step: int, elapsed_s: float) -> str | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "config"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "config":
+            raise ValueError(f"schedule state of kind {state.get('kind')!r} cannot restore a ConfigSchedule")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -14,23 +16,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainloop.checkpoint import (
-    begin_checkpoint,
-    find_resumable,
-    finish_checkpoint,
-    load_torch,
-    prune_checkpoints,
-    rng_state,
-    save_torch,
-    set_rng_state,
-    step_dir_name,
-)
+from trainloop.checkpoint import CheckpointError, CheckpointStore, load_torch, rng_state, save_torch, set_rng_state
 from trainloop.clipping import ClipGroups
-from trainloop.config import TrainConfig
+from trainloop.config import ConfigError, TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
+from trainloop.engine import Engine, set_lr
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
-from trainloop.faults import NonFiniteLossError, StopSignals, collective_failure
+from trainloop.faults import CollectiveError, NonFiniteLossError, StopSignals, collective_failure
 from trainloop.metrics_logging import (
     MetricsLogger,
     add_throughput,
@@ -38,17 +31,21 @@ from trainloop.metrics_logging import (
     flops_per_token,
     format_line,
 )
-from trainloop.schedules import lr_at
+from trainloop.schedules import ConfigSchedule, Schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+SIGNAL_STOP = "signal"
 
 
 class Trainer:
     """Trains any ``nn.Module`` whose ``model(inputs, targets)`` returns a loss (Tensor, ``.loss`` or ``["loss"]``).
 
     ``train_data`` yields (inputs, targets) micro-batches; with ``state_dict``/``load_state_dict`` its position is
-    checkpointed. ``eval_data`` is a zero-argument callable returning an iterable of batches. ``extra_state``
-    (JSON-able) goes into every checkpoint.
+    checkpointed. ``eval_data`` is a zero-argument callable returning an iterable of batches (each rank may yield its
+    own share: the sums are all-reduced). ``extra_state`` (JSON-able) goes into every checkpoint. ``schedule`` is
+    asked for every step's learning rate and the final step; it defaults to the config's closed form
+    (:class:`~trainloop.schedules.ConfigSchedule`), and :class:`~trainloop.budget.BudgetSchedule` re-plans itself to
+    the time budget while the loop runs.
 
     Example:
         >>> cfg = TrainConfig(max_steps=100, lr=1e-3, warmup_steps=10, log_every=10, save_every=50)
@@ -68,26 +65,30 @@ class Trainer:
         bytes_per_token: float | None = None,
         ds_config: dict | str | Path | None = None,
         extra_state: dict[str, Any] | None = None,
+        schedule: Schedule | None = None,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         if eval_data is not None and not callable(eval_data):
             raise TypeError("eval_data must be a zero-argument callable returning an iterable of (inputs, targets)")
         if ds_config is not None and config.engine != "deepspeed":
-            raise ValueError(f"ds_config given but TrainConfig.engine={config.engine!r}: set engine='deepspeed'")
+            raise ConfigError(f"ds_config given but TrainConfig.engine={config.engine!r}: set engine='deepspeed'")
         json.dumps(extra_state or {})  # fail now, not at the first checkpoint
         self.config = config
-        self.run_dir = Path(run_dir)
+        self.store = CheckpointStore(run_dir)
+        self.run_dir = self.store.run_dir
         self.train_data = train_data
         self.eval_data = eval_data
         self.bytes_per_token = bytes_per_token
         self.extra_state = dict(extra_state or {})
+        self.schedule: Schedule = schedule if schedule is not None else ConfigSchedule(config)
         self.rank, self.world_size, self.device = setup_distributed(config.engine, config.dist_timeout_s)
         self.is_main = self.rank == 0
+        self.engine: Engine
         if config.engine == "deepspeed":
             from trainloop.engine_deepspeed import DeepSpeedEngine
 
-            self.engine: Any = DeepSpeedEngine(model, config, self.device, ds_config, self.world_size)
+            self.engine = DeepSpeedEngine(model, config, self.device, ds_config, self.world_size)
             for note in self.engine.notes:
                 self._say(f"deepspeed config: {note}")
         else:
@@ -99,15 +100,22 @@ class Trainer:
         self.tokens_seen = 0
         self.consecutive_skips = 0
         self.total_skips = 0
+        self.train_seconds = 0.0  # training time of earlier processes of this run (resume), see _elapsed
+        self.best: tuple[int, float] | None = None  # (step, eval loss)
+        self.evals_since_best = 0
+        self.next_eval_s = config.eval_every_s
         self.skipped_checkpoints: list[tuple[Path, str]] = []
         self._signals = StopSignals()
         self._last_saved_step: int | None = None
         self._batch_checked = False
+        self._fit_t0 = time.perf_counter()
 
     # ----------------------------------------------------------------------------------------------- helpers
-    def _say(self, msg: str) -> None:
+    def _say(self, msg: str, bar: Any = None) -> None:
+        """One timestamped line on rank 0 (through the progress bar's own write when a bar is showing)."""
         if self.is_main:
-            print(f"[trainloop] {msg}", flush=True)
+            line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}"
+            bar.write(line) if bar is not None else print(line, flush=True)
 
     def _seed(self) -> None:
         seed = self.config.seed + self.rank
@@ -115,50 +123,65 @@ class Trainer:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """Mean loss over ranks and whether any rank wants to stop, in one small all-reduce."""
-        if self.world_size == 1:
-            return float(loss), stop
-        vec = all_reduce_sum(torch.tensor([float(loss), 1.0 if stop else 0.0], dtype=torch.float64))
-        return float(vec[0]) / self.world_size, bool(vec[1] > 0)
+    def _elapsed(self) -> float:
+        """Training seconds of the whole run: earlier processes (from the checkpoint) plus this fit()."""
+        return self.train_seconds + time.perf_counter() - self._fit_t0
+
+    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool, float]:
+        """(mean loss, any rank signalled, any rank past the time budget, mean elapsed seconds) in one all-reduce,
+        so that every rank takes the same decisions (stop, re-plan, evaluate) at the same step."""
+        elapsed = self._elapsed()
+        budget = self.config.time_budget_s is not None and elapsed >= self.config.time_budget_s
+        vec = torch.tensor(
+            [float(loss), self._signals.received is not None, budget, elapsed], dtype=torch.float64
+        )  # fmt: skip
+        if self.world_size > 1:
+            vec = all_reduce_sum(vec)
+            vec[0] /= self.world_size
+            vec[3] /= self.world_size
+        return float(vec[0]), bool(vec[1] > 0), bool(vec[2] > 0), float(vec[3])
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """Write a complete checkpoint of the current step on every rank (collective); returns its directory."""
-        tmp = self.run_dir / "checkpoints" / f".tmp-{step_dir_name(self.step)}"
+        tmp = self.store.tmp_dir(self.step)
         if self.is_main:
-            begin_checkpoint(self.run_dir, self.step)
+            self.store.begin(self.step)
         barrier()
         client_state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "consecutive_skips": self.consecutive_skips,
             "total_skips": self.total_skips,
+            "train_seconds": self._elapsed(),
+            "best": list(self.best) if self.best else None,
+            "evals_since_best": self.evals_since_best,
+            "next_eval_s": self.next_eval_s,
+            "schedule": self.schedule.state_dict(),
             "config": self.config.to_dict(),
             "extra_state": self.extra_state,
         }
         self.engine.save(tmp, client_state, self.rank)
         loader = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
-        save_torch({"rng": rng_state(), "loader": loader}, tmp / f"rank{self.rank}.pt")
+        save_torch({"rng": rng_state(), "loader": loader}, self.store.rank_file(tmp, self.rank))
         if self.is_main:
-            (tmp / "train_config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-            (tmp / "extra_state.json").write_text(json.dumps(self.extra_state, indent=1))
-            if hasattr(self.engine, "ds_config"):
-                (tmp / "ds_config.json").write_text(json.dumps(self.engine.ds_config, indent=1))
+            files = {"train_config.json": self.config.to_dict(), "extra_state.json": self.extra_state}
+            for name, content in {**files, **self.engine.config_files()}.items():
+                (tmp / name).write_text(json.dumps(content, indent=1))
         barrier()
-        final = tmp.parent / step_dir_name(self.step)
+        final = self.store.step_dir(self.step)
         if self.is_main:
             meta = {"world_size": self.world_size, "engine": self.engine.name, "tokens_seen": self.tokens_seen}
-            finish_checkpoint(tmp, self.step, meta)
-            prune_checkpoints(self.run_dir, self.config.keep_last)
+            self.store.finish(tmp, self.step, meta)
+            self.store.prune(self.config.keep_last, self.step)
         barrier()
         self._last_saved_step = self.step
         self._say(f"saved checkpoint {final}")
         return final
 
-    def _find_resumable(self) -> tuple[Path | None, list[tuple[Path, str]]]:
-        """Rank 0 verifies the checkpoints (hashing is costly) and every rank loads its choice."""
-        found = find_resumable(self.run_dir) if self.is_main else None
+    def _find_resumable(self, verify: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """Rank 0 checks the checkpoints and every rank loads its choice."""
+        found = self.store.find_resumable(verify) if self.is_main else None
         if self.world_size > 1:
             box = [found]
             dist.broadcast_object_list(box, src=0)
@@ -170,20 +193,26 @@ class Trainer:
         manifest = json.loads((ckpt / "manifest.json").read_text())
         saved_world, saved_engine = manifest.get("world_size", 1), manifest.get("engine", "torch")
         if saved_engine != self.engine.name:
-            raise ValueError(f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r}")
+            raise CheckpointError(
+                f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r}"
+            )
         if saved_engine == "deepspeed" and saved_world != self.world_size:
-            raise ValueError(
+            raise CheckpointError(
                 f"{ckpt} was written by {saved_world} DeepSpeed ranks, this run has {self.world_size}: DeepSpeed "
                 "checkpoints resume on the same world size (load_model_weights() loads the model anywhere)"
             )
-        state = self.engine.load(ckpt)
-        rank_file = ckpt / f"rank{self.rank}.pt"
+        rank_file = self.store.rank_file(ckpt, self.rank)
         if not rank_file.exists():
-            raise ValueError(
+            raise CheckpointError(
                 f"{ckpt} has no state for rank {self.rank}: it was written by {saved_world} rank(s), this run has "
                 f"{self.world_size}; resume with the same world size (load_model_weights() loads the model anywhere)"
             )
+        state = self.engine.load(ckpt)
         per_rank = load_torch(rank_file)
+        try:
+            self.schedule.load_state_dict(state.get("schedule", {"kind": "config"}))
+        except ValueError as exc:
+            raise CheckpointError(f"{ckpt}: {exc}; resume with the schedule the run was started with") from exc
         set_rng_state(per_rank["rng"])
         if per_rank["loader"] is not None and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(per_rank["loader"])
@@ -191,6 +220,10 @@ class Trainer:
         self.tokens_seen = int(state["tokens_seen"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.total_skips = int(state.get("total_skips", 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.best = tuple(state["best"]) if state.get("best") else None
+        self.evals_since_best = int(state.get("evals_since_best", 0))
+        self.next_eval_s = float(state.get("next_eval_s", self.config.eval_every_s))
         self._last_saved_step = self.step
         self._say(f"resumed from {ckpt} at step {self.step}")
 
@@ -208,6 +241,29 @@ class Trainer:
             bytes_per_token=self.bytes_per_token,
         )
 
+    def _eval_and_track(self, logger: MetricsLogger) -> tuple[dict[str, float] | None, bool]:
+        """Evaluate, log, keep the best checkpoint; returns (result, whether early stopping fires).
+
+        The result is all-reduced, so every rank takes the same decisions.
+        """
+        result = self.evaluate()
+        if result is None:
+            return None, False
+        logger.log({"step": self.step, **{f"eval_{k}": v for k, v in result.items()}})
+        self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        if self.best is None or result["loss"] < self.best[1]:
+            self.best = (self.step, result["loss"])
+            self.evals_since_best = 0
+            if self.config.keep_best:
+                if self._last_saved_step != self.step:
+                    self.save_checkpoint()
+                if self.is_main:
+                    self.store.mark_best(self.step, "eval_loss", float(result["loss"]))
+        else:
+            self.evals_since_best += 1
+        patience = self.config.early_stopping_patience
+        return result, bool(patience and self.evals_since_best >= patience)
+
     # ----------------------------------------------------------------------------------------------- one step
     def _next(self, it: Iterator[Batch]) -> Batch | None:
         try:
@@ -219,11 +275,12 @@ class Trainer:
     def train_step(self, it: Iterator[Batch]) -> dict[str, Any] | None:
         """Accumulate ``grad_accum`` micro-batches, clip per group, step (or skip a non-finite step).
 
-        Returns the step's record, or None when the data ran out before the step began.
+        Returns the step's record (with the ranks' agreed ``signal``, ``budget`` and ``elapsed``), or None when the
+        data ran out before the step began.
         """
         cfg = self.config
-        lr = lr_at(self.step, cfg)
-        self.engine.set_lr(lr)
+        lr = self.schedule.lr(self.step)
+        set_lr(self.engine.optimizer, lr)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for micro in range(cfg.grad_accum):
@@ -250,11 +307,8 @@ class Trainer:
                               write=self.is_main)  # fmt: skip
         named, partitioned = self.engine.local_grads()
         report = self.clip_groups.clip(named, all_reduce=partitioned, unscale=loss_scale)
-        if hasattr(self.engine, "after_clip"):
-            self.engine.after_clip(named)
-        budget = cfg.time_budget_s is not None and time.perf_counter() - self._t_start >= cfg.time_budget_s
-        loss, stop = self._agree(loss_sum / cfg.grad_accum, self._signals.received is not None or budget)
-        self._stop = stop and (self._stop_reason_local(budget) or "another rank stopped")
+        self.engine.after_clip(named)
+        loss, signal, budget, elapsed = self._agree(loss_sum / cfg.grad_accum)
         skipped = False
         if math.isfinite(loss) and math.isfinite(report.total_norm):
             self.engine.step()
@@ -276,25 +330,23 @@ class Trainer:
         record["skipped"] = self.consecutive_skips if skipped else 0
         if loss_scale := self.engine.loss_scale():
             record["loss_scale"] = loss_scale
+        record.update(signal=signal, budget=budget, elapsed=elapsed)
         return record
 
-    def _stop_reason_local(self, budget: bool) -> str | None:
-        if self._signals.received:
-            return self._signals.received
-        return "time_budget" if budget else None
-
     # ----------------------------------------------------------------------------------------------- the loop
-    def fit(self, resume: bool = False) -> dict[str, Any]:
-        """Train to ``max_steps`` (or the time budget, or a signal); returns a summary.
+    def fit(self, resume: bool = False, *, overwrite: bool = False, verify: str = "sizes") -> dict[str, Any]:
+        """Train to the schedule's final step (or the time budget, early stopping, a signal); returns a summary.
 
         With ``resume=True`` the newest complete checkpoint in ``run_dir`` is restored first (incomplete ones are
-        reported and skipped). Saves at every ``save_every`` steps and at the end; evaluates likewise.
+        reported and skipped; ``verify="full"`` also checks every SHA-256). A fresh run refuses a ``run_dir`` that
+        already holds checkpoints unless ``overwrite=True``, which deletes them. Saves at every ``save_every`` steps
+        and at the end; evaluates likewise and at every ``eval_every_s`` seconds of training.
         """
         cfg = self.config
-        self._t_start = time.perf_counter()
+        self._fit_t0 = time.perf_counter()
         resume_step = None
         if resume:
-            ckpt, self.skipped_checkpoints = self._find_resumable()
+            ckpt, self.skipped_checkpoints = self._find_resumable(verify)
             for path, reason in self.skipped_checkpoints:
                 self._say(f"skipping incomplete checkpoint {path.name}: {reason}")
             if ckpt is not None:
@@ -302,9 +354,12 @@ class Trainer:
                 resume_step = self.step
             else:
                 self._say(f"no complete checkpoint under {self.run_dir}: starting from step 0")
+        else:
+            self._start_fresh(overwrite)
         if resume_step is None:
             self._seed()
-        logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step)
+        logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
+                               wandb_project=cfg.wandb_project)  # fmt: skip
         self._say(
             f"{self.engine.name} engine, {self.world_size} rank(s), {cfg.precision}, {self.flops_per_token:.3g} "
             f"FLOPs/token ({self.flops_source}), MFU peak "
@@ -314,29 +369,79 @@ class Trainer:
                 else "unknown (set TrainConfig.peak_tflops)"
             )
         )
+        # Handlers stay installed until the final checkpoint is written: a signal during the final evaluation or
+        # save only sets the flag.
         self._signals.install()
+        try:
+            summary = self._loop(logger)
+            if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and summary["eval_step"] != self.step:
+                summary["eval"], _ = self._eval_and_track(logger)
+            ckpt = self.save_checkpoint() if self._last_saved_step != self.step else None
+        except Exception as exc:
+            if self.world_size > 1 and collective_failure(exc):
+                raise CollectiveError(
+                    f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}). Another rank most likely died or hung: read "
+                    f"its log. Collectives wait at most TrainConfig.dist_timeout_s={self.config.dist_timeout_s} s."
+                ) from exc
+            raise
+        finally:
+            self._signals.restore()
+            logger.close()
+        if summary["stopped"] == SIGNAL_STOP:
+            summary["stopped"] = self._signals.received or "signal on another rank"
+        summary.update(
+            step=self.step,
+            tokens_seen=self.tokens_seen,
+            checkpoint=str(ckpt or self.store.step_dir(self.step)),
+            best={"step": self.best[0], "eval_loss": self.best[1]} if self.best else None,
+            total_skips=self.total_skips,
+            wall_s=time.perf_counter() - self._fit_t0,
+        )
+        del summary["eval_step"]
+        return summary
+
+    def _start_fresh(self, overwrite: bool) -> None:
+        """Refuse (on every rank alike) to start over a run directory that holds checkpoints, unless overwriting."""
+        existing = self.store.steps() if self.is_main else []
+        found = all_reduce_sum(torch.tensor([float(len(existing))], dtype=torch.float64))
+        if found.item() and not overwrite:
+            where = f" (steps {existing[0]}..{existing[-1]})" if existing else ""
+            raise CheckpointError(
+                f"{self.store.root} already holds checkpoints{where}: resume them (resume=True, lmtrain --resume) "
+                "or delete them and start over (overwrite=True, lmtrain --overwrite)"
+            )
+        if existing:
+            self.store.clear()
+        barrier()
+
+    def _loop(self, logger: MetricsLogger) -> dict[str, Any]:
+        cfg = self.config
         bar = None
-        if cfg.progress and self.is_main:
+        if cfg.progress and self.is_main and sys.stderr.isatty() and not os.environ.get("TQDM_DISABLE"):
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", dynamic_ncols=True, leave=False)
+            bar = tqdm(total=self.schedule.max_steps, initial=self.step, desc="train", dynamic_ncols=True, leave=False)
         it = iter(self.train_data)
-        summary: dict[str, Any] = {"stopped": None, "eval": None}
-        last_record: dict[str, Any] | None = None
+        summary: dict[str, Any] = {"stopped": None, "eval": None, "eval_step": None, "loss": None}
         window_tokens, window_t0 = 0, time.perf_counter()
-        self._stop = False
         anomaly = torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else None
         try:
-            while self.step < cfg.max_steps:
+            while self.step < self.schedule.max_steps:
                 record = self.train_step(it)
                 if record is None:
                     summary["stopped"] = "data_exhausted"
                     break
-                last_record = record
+                signal, budget, elapsed = record.pop("signal"), record.pop("budget"), record.pop("elapsed")
+                summary["loss"] = record["loss"]
                 window_tokens += record.pop("tokens")
+                if (message := self.schedule.observe(self.step, elapsed)) is not None:
+                    self._say(message, bar)
+                    if bar is not None:
+                        bar.total = self.schedule.max_steps
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
                 if self.step % cfg.log_every == 0 or record["skipped"]:
                     now = time.perf_counter()
                     tps = window_tokens / max(now - window_t0, 1e-9)
@@ -344,8 +449,7 @@ class Trainer:
                     record["tokens_seen"] = self.tokens_seen
                     add_throughput(record, tps, self.device, self.flops_per_token, self.peak_tflops, self.world_size)
                     logger.log(record)
-                    if self.is_main:
-                        (bar.write if bar is not None else self._say)(format_line(record))
+                    self._say(format_line(record), bar)
                 if self.consecutive_skips >= cfg.max_consecutive_skips:
                     raise NonFiniteLossError(
                         f"{self.consecutive_skips} consecutive steps (to step {self.step}) had a non-finite loss or "
@@ -354,45 +458,26 @@ class Trainer:
                         "'fp16', or detect_anomaly=True to find the operation that produced it; check the data for "
                         "out-of-range token ids."
                     )
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
-                    summary["eval"] = self._eval_and_log(logger)
-                if cfg.save_every and self.step % cfg.save_every == 0:
-                    self.save_checkpoint()
-                if self._stop:
-                    summary["stopped"] = self._stop
+                if signal:
+                    summary["stopped"] = SIGNAL_STOP
                     break
-        except Exception as exc:
-            if self.world_size > 1 and collective_failure(exc):
-                raise RuntimeError(
-                    f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}). Another rank most likely died or hung: read "
-                    f"its log. Collectives wait at most TrainConfig.dist_timeout_s={self.config.dist_timeout_s} s."
-                ) from exc
-            raise
+                early = False
+                last = self.step >= self.schedule.max_steps or budget
+                by_time = cfg.eval_every_s > 0 and elapsed >= self.next_eval_s
+                if by_time:
+                    while self.next_eval_s <= elapsed:
+                        self.next_eval_s += cfg.eval_every_s
+                if not last and ((cfg.eval_every and self.step % cfg.eval_every == 0) or by_time):
+                    summary["eval"], early = self._eval_and_track(logger)
+                    summary["eval_step"] = self.step
+                if cfg.save_every and self.step % cfg.save_every == 0 and self._last_saved_step != self.step:
+                    self.save_checkpoint()
+                if early or budget:
+                    summary["stopped"] = "early_stopping" if early else "time_budget"
+                    break
         finally:
             if anomaly is not None:
                 torch.autograd.set_detect_anomaly(False)
             if bar is not None:
                 bar.close()
-            self._signals.restore()
-        if summary["stopped"] not in ("SIGTERM", "SIGINT") and self.eval_data is not None:
-            summary["eval"] = self._eval_and_log(logger)
-        ckpt = self.save_checkpoint() if self._last_saved_step != self.step else None
-        logger.close()
-        last = self.run_dir / "checkpoints" / step_dir_name(self.step)
-        summary.update(
-            step=self.step,
-            loss=last_record["loss"] if last_record else None,
-            tokens_seen=self.tokens_seen,
-            checkpoint=str(ckpt or last),
-            total_skips=self.total_skips,
-            wall_s=time.perf_counter() - self._t_start,
-        )
         return summary
-
-    def _eval_and_log(self, logger: MetricsLogger) -> dict[str, float] | None:
-        result = self.evaluate()
-        if result is not None:
-            logger.log({"step": self.step, **{f"eval_{k}": v for k, v in result.items()}})
-            self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        return result
