@@ -46,6 +46,20 @@ def test_cached_decoding_equals_full_recomputation_on_cuda():
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-3, atol=1e-3)
 
 
+def test_a_training_step_makes_no_host_sync_on_cuda():
+    torch.manual_seed(0)
+    model = GPT(small_config(dropout=0.1, checkpointing="block")).cuda()
+    ids = torch.randint(0, 97, (2, 64), device="cuda")
+    model(ids, ids).loss.backward()  # warm-up: Triton compiles its kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call now raises
+    try:
+        model(ids, ids).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.embed_tokens.weight.grad.abs().sum() > 0
+
+
 def test_fp32_adam_model_states_are_16_bytes_per_parameter():
     config = ModelConfig.from_preset("125m")
     torch.cuda.empty_cache()

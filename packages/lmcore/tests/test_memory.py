@@ -1,6 +1,9 @@
+import subprocess
+import sys
+
 import pytest
 
-from lmcore import ModelConfig, estimate_memory, n_params
+from lmcore import ModelConfig, estimate_memory, flops_per_token, n_params
 from lmcore.estimate_cli import main
 from lmcore.memory import activation_bytes
 
@@ -81,6 +84,65 @@ def test_cli_prints_the_table_and_the_verdict(capsys):
     assert fits == ["NO" if zero0.total > 24 * 2**30 else "yes", "NO" if zero2.total > 24 * 2**30 else "yes"]
 
 
-def test_cli_reports_bad_input_without_a_traceback(capsys):
-    assert main(["--preset", "1.3b", "--zero", "0", "--offload-optimizer", "--micro-batch", "0"]) == 2
-    assert "micro_batch" in capsys.readouterr().err
+BAD_FLAGS = [
+    (["--seq-len", "0"], ["--seq-len", "positive integer", "'0'"]),
+    (["--seq-len", "-5"], ["--seq-len", "positive integer", "'-5'"]),
+    (["--seq-len", "1k"], ["--seq-len", "positive integer", "'1k'"]),
+    (["--micro-batch", "0"], ["--micro-batch", "positive integer"]),
+    (["--gpus", "0"], ["--gpus", "positive integer"]),
+    (["--gpus", "-16"], ["--gpus", "positive integer"]),
+    (["--vocab-size", "0"], ["--vocab-size", "positive integer"]),
+    (["--gpu-memory-gib", "0"], ["--gpu-memory-gib", "positive number"]),
+    (["--gpu-memory-gib", "-24"], ["--gpu-memory-gib", "positive number"]),
+    (["--gpu-memory-gib", "inf"], ["--gpu-memory-gib", "finite", "'inf'"]),
+    (["--gpu-memory-gib", "nan"], ["--gpu-memory-gib", "finite", "'nan'"]),
+    (["--zero", "4"], ["--zero", "invalid choice", "4"]),
+    (["--precision", "fp8"], ["--precision", "invalid choice", "fp8"]),
+    (["--checkpointing", "full"], ["--checkpointing", "invalid choice", "full"]),
+    (["--zero", "0", "--offload-optimizer"], ["--offload-optimizer", "ZeRO stage >= 1"]),
+    (["--zero"], ["--zero", "expected at least one argument"]),
+    (["--gpus", "16", "--nodes", "4"], ["unrecognized arguments", "--nodes"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD_FLAGS, ids=[" ".join(argv) for argv, _ in BAD_FLAGS])
+def test_cli_rejects_bad_flags_with_one_line_and_status_2(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "1.3b", *argv])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("lmcore-estimate: error: ")
+    for word in words:
+        assert word in line, (word, line)
+
+
+@pytest.mark.parametrize("argv, words", [([], ["--preset", "required"]), (["--preset", "13b"], ["invalid choice"])])
+def test_cli_names_a_missing_or_unknown_preset(capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and line.startswith("lmcore-estimate: error: ")
+    assert all(word in line for word in words), line
+
+
+def test_the_command_exits_2_without_a_traceback():
+    run = subprocess.run(
+        [sys.executable, "-m", "lmcore.estimate_cli", "--preset", "1.3b", "--seq-len", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and run.stdout == ""
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "lmcore-estimate: error: argument --seq-len: expected a positive integer, got '0'"
+    )
+
+
+def test_cli_reports_the_training_flops_per_token(capsys):
+    assert main(["--preset", "1.3b", "--zero", "2", "--seq-len", "2048"]) == 0
+    expected = flops_per_token(XL, 2048)
+    assert f"training FLOPs per token at 2048 tokens: {expected:.4g}" in capsys.readouterr().out
+    assert expected == 6 * n_params(XL) + 12 * 24 * 16 * 128 * 2048

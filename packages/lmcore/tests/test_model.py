@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from lmcore import GPT, KVCache, ModelConfig
+from lmcore import GPT, PRESETS, KVCache, ModelConfig
 
 
 def tiny(**overrides) -> GPT:
@@ -170,3 +171,100 @@ def test_fixed_slopes_stay_exact_fp32_after_a_bf16_cast():
     assert model(ids).logits.dtype == torch.bfloat16
     for layer in model.layers:
         assert torch.equal(layer.self_attn.head_slopes(), alibi_slopes(12))
+
+
+def grads(model: GPT) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["off", "attention", "block"])
+def test_zero_dropout_draws_no_random_numbers_and_equals_eval_mode(mode):
+    model = tiny(checkpointing=mode)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    model.eval()
+    eval_loss = model(ids, ids).loss
+    eval_loss.backward()
+    eval_grads = grads(model)
+    model.zero_grad()
+    model.train()
+    rng = torch.get_rng_state()
+    train_loss = model(ids, ids).loss
+    train_loss.backward()
+    assert torch.equal(torch.get_rng_state(), rng)  # nn.Dropout(0.0) returns its input without drawing
+    assert torch.equal(train_loss, eval_loss)
+    for name, grad in grads(model).items():
+        assert torch.equal(grad, eval_grads[name]), name
+
+
+DROPOUT_SITES = ["embed_dropout", "self_attn.resid_dropout", "mlp.dropout"]
+
+
+def dropout_modules(model: GPT, site: str) -> list[nn.Dropout]:
+    return [m for name, m in model.named_modules() if isinstance(m, nn.Dropout) and name.endswith(site)]
+
+
+def test_dropout_sits_on_the_embeddings_and_both_residual_branches_only():
+    model = tiny(dropout=0.5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    reference = model.eval()(ids).logits
+    found = [m for site in DROPOUT_SITES for m in dropout_modules(model, site)]
+    assert len(found) == 1 + 2 * model.config.n_layer
+    assert len(found) == sum(isinstance(m, nn.Dropout) for m in model.modules())
+    # Training mode with those modules alone switched off is the eval forward: nothing else (attention
+    # probabilities included) draws a mask.
+    model.train()
+    for m in found:
+        m.eval()
+    torch.testing.assert_close(model(ids).logits, reference, rtol=0, atol=0)
+    for site in DROPOUT_SITES:  # and each site on its own changes the output
+        for m in dropout_modules(model, site):
+            m.train()
+        assert not torch.equal(model(ids).logits, reference), site
+        for m in dropout_modules(model, site):
+            m.eval()
+
+
+@pytest.mark.parametrize("mode", ["attention", "block"])
+def test_checkpointing_recomputes_with_the_same_dropout_masks(mode):
+    plain, ckpt = tiny(dropout=0.3), tiny(dropout=0.3, checkpointing=mode)
+    ckpt.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, plain.config.vocab_size, (2, 16))
+    losses = []
+    for model in (plain, ckpt):
+        torch.manual_seed(1)
+        losses.append(model(ids, ids).loss)
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_no_preset_turns_dropout_on():
+    assert all(ModelConfig.from_preset(name).dropout == 0.0 for name in PRESETS)
+
+
+def test_flops_per_token_is_the_palm_count_at_the_context_length():
+    # tiny: vocab 97, 2 layers, width 64, 4 heads of 16, d_ff 256, context 32, biases, tied embeddings.
+    d, ff, v = 64, 256, 97
+    attention = 4 * (d * d + d)  # q, k, v, o with biases
+    mlp = d * ff + ff + ff * d + d
+    norms = 2 * 2 * d  # two LayerNorms (weight and bias) per block
+    n = 2 * (attention + mlp + norms) + 2 * d + v * d  # + final norm + the tied embedding / output matrix
+    assert n == 106_304
+    expected = 6 * n + 12 * 2 * 4 * 16 * 32  # 6N + 12 L H Q T
+    model = tiny()
+    assert model.flops_per_token() == model.flops_per_token(32) == expected == 686_976
+    assert model.flops_per_token(64) == 6 * n + 12 * 2 * 4 * 16 * 64
+    # An untied input embedding is a lookup: N counts the output matrix once, as with tied weights.
+    assert tiny(tie_embeddings=False).flops_per_token() == expected
+    # Grouped-query attention shrinks k/v projections, not the per-query-head attention work.
+    assert tiny(n_kv_head=1).flops_per_token() == expected - 6 * 2 * 2 * (3 * (d * 16 + 16))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="seq_len"):
+            model.flops_per_token(bad)
+
+
+def test_trainloop_reads_the_model_flops_with_no_argument():
+    metrics_logging = pytest.importorskip("trainloop.metrics_logging")
+    model = tiny()
+    assert metrics_logging.flops_per_token(model, None) == (model.flops_per_token(), "model.flops_per_token")

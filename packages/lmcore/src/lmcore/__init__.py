@@ -1,6 +1,6 @@
 """A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates."""
 
-from lmcore.config import PRESETS, ModelConfig, n_params
+from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
 from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
 from lmcore.init_schemes import (
@@ -15,7 +15,7 @@ from lmcore.init_schemes import (
 )
 from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
 from lmcore.memory import MemoryEstimate, estimate_memory
-from lmcore.model import GPT, KVCache, LMOutput
+from lmcore.model import GPT, KVCache, LMOutput, check_token_ids
 from lmcore.version import __version__
 
 __all__ = [
@@ -31,8 +31,10 @@ __all__ = [
     "ModelConfig",
     "__version__",
     "apply_lora",
+    "check_token_ids",
     "document_boundaries",
     "estimate_memory",
+    "flops_per_token",
     "generate",
     "init_gpt2",
     "init_kaiming",

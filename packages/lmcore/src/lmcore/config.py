@@ -133,8 +133,8 @@ class ModelConfig:
         return cls(**values)
 
 
-# Named sizes. The GPT-3 paper's shapes (Brown et al. 2020, table 2.1) with the write-up's 32000-token
-# SentencePiece vocabulary and its 1024-token training context; 1.3b follows FACTS (16 heads of 128).
+# Named sizes. The GPT-3 paper's shapes (Brown et al. 2020, table 2.1) with a 32000-token SentencePiece vocabulary
+# and a 1024-token training context, the reference 1.3B setup of docs/cluster-3090.md; 1.3b has 16 heads of 128.
 # The counts these give come from n_params(); see the README table, never state them from memory.
 PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests: GQA-capable (4 heads), a few thousand parameters.
@@ -173,3 +173,28 @@ def n_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
         return body
     head = 0 if config.tie_embeddings else v * d
     return body + v * d + head
+
+
+def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
+    """Training (forward + backward) FLOPs per token by PaLM's appendix B convention: 6*N + 12*L*H*Q*T.
+
+    T is `seq_len`, the tokens per sequence (default `config.context_length`); L layers, H heads, Q head dim.
+
+    N counts the weights that multiply an activation once per token: every parameter of `n_params(config)`
+    except an untied input embedding, which is a table lookup. With tied embeddings (the default) N is all
+    parameters, the shared matrix doing the output layer's matmul. Norm weights, biases and learnable slopes
+    are counted too (a negligible share). 6*N is 2 FLOPs per weight forward and 4 backward; 12*L*H*Q*T is
+    attention's scores and weighted sum (2 * 2*H*Q*T per layer forward, times 3 for training) over all T keys,
+    as PaLM counts it (no halving for the causal mask), for the H query heads of dim Q (grouped-query attention
+    shares keys and values, not this work).
+
+    Example:
+        >>> flops_per_token(ModelConfig.from_preset("tiny"))  # 6 * 106,304 + 12 * 2 * 4 * 16 * 32
+        686976.0
+    """
+    seq_len = config.context_length if seq_len is None else seq_len
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int or None (the context length), got {seq_len!r}")
+    weights = n_params(config) - (0 if config.tie_embeddings else config.vocab_size * config.d_model)
+    attention = 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+    return float(6 * weights + attention)

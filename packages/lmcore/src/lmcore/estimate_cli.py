@@ -7,10 +7,33 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from lmcore.config import CHECKPOINTING, PRESETS, ModelConfig
+from lmcore.config import CHECKPOINTING, PRESETS, ModelConfig, flops_per_token
 from lmcore.memory import GIB, PRECISIONS, MemoryEstimate, estimate_memory
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (0 and negatives are errors, never "the default")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,15 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-GPU training memory (ZeRO model-state accounting + Korthikanti et al. activations), in GiB.",
     )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
-    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary size")
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel world size (all nodes together)")
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary size")
+    p.add_argument("--gpus", type=positive_int, default=1, help="data-parallel world size (all nodes together)")
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3], help="ZeRO stage(s)")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: preset context length)")
+    p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=None, help="tokens per sequence (default: preset context length)"
+    )
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default="off", help="activation checkpointing")
-    p.add_argument("--gpu-memory-gib", type=float, default=24.0, help="memory of one GPU (24 for an RTX 3090)")
+    p.add_argument("--gpu-memory-gib", type=positive_float, default=24.0, help="memory of one GPU (24 for an RTX 3090)")
     return p
 
 
@@ -51,11 +76,15 @@ def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Print the table; bad input exits with status 2 and one `lmcore-estimate: error: ...` line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.offload_optimizer and not any(args.zero):
+        parser.error("--offload-optimizer needs a ZeRO stage >= 1 in --zero (ZeRO-Offload shards the optimizer first)")
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     try:
         config = ModelConfig.from_preset(args.preset, **overrides)
-        seq_len = args.seq_len or config.context_length
+        seq_len = config.context_length if args.seq_len is None else args.seq_len
         estimates = {
             f"zero-{stage}": estimate_memory(
                 config,
@@ -70,13 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             for stage in args.zero
         }
     except ValueError as exc:
-        print(f"lmcore-estimate: error: {exc}", file=sys.stderr)
-        return 2
+        parser.error(str(exc))
     n = next(iter(estimates.values())).n_params
     print(
         f"{args.preset}: {n:,} parameters, {args.gpus} GPU(s), micro-batch {args.micro_batch} x {seq_len} tokens, "
         f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer}"
     )
+    print(f"training FLOPs per token at {seq_len} tokens: {flops_per_token(config, seq_len):.4g} (PaLM: 6N + 12LHQT)")
     print(format_table(estimates, args.gpu_memory_gib))
     return 0
 

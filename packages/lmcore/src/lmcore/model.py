@@ -1,7 +1,7 @@
 """The decoder-only transformer: ALiBi attention (no position embedding), pre-norm blocks, optional GQA.
 
-Parameter names follow the Llama/HF layout (`layers.3.self_attn.o_proj.weight`), so the
-write-up's per-group clipping patterns (`layers.*.self_attn.o_proj`) apply unchanged.
+Parameter names follow the Llama/HF layout (`layers.3.self_attn.o_proj.weight`), so per-group clipping
+patterns written for that layout (`layers.*.self_attn.o_proj`) apply unchanged.
 """
 
 from __future__ import annotations
@@ -16,8 +16,39 @@ from torch.utils.checkpoint import checkpoint
 
 from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_slopes
 from lmcore.config import ModelConfig
+from lmcore.config import flops_per_token as config_flops_per_token
 from lmcore.documents import Documents, document_boundaries
 from lmcore.init_schemes import initialize
+
+
+def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless every id of `input_ids` is in [0, vocab_size), naming the range found.
+
+    Reads the ids on the host: free on CPU, where `GPT.forward` calls it on every input, but a device sync on a
+    GPU, where the forward checks asynchronously instead. Call it yourself (on a batch, or once on the data) for
+    a clear Python error on a GPU.
+
+    Example:
+        >>> check_token_ids(torch.tensor([[1, 97]]), 97)  # doctest: +SKIP
+        ValueError: input_ids hold ids in [1, 97] but vocab_size=97: ...
+    """
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"input_ids hold ids in [{low}, {high}] but vocab_size={vocab_size}: "
+            "the tokenizer and the model config disagree"
+        )
+
+
+def _ids_checked_on_host(device: torch.device) -> bool:
+    """Whether GPT.forward checks token ids with a host read on `device` (everywhere but CUDA, where it stalls)."""
+    return device.type != "cuda"
+
+
+def _ids_message(vocab_size: int) -> str:
+    return (
+        f"lmcore: input_ids hold a token id outside [0, vocab_size={vocab_size}): the tokenizer and the model disagree"
+    )
 
 
 class LMOutput(NamedTuple):
@@ -202,13 +233,13 @@ class GPT(nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
         if input_ids.numel() and input_ids.device.type != "meta":
-            # Checked here because an out-of-range id on CUDA is an opaque device-side assert later.
-            low, high = (int(v) for v in torch.aminmax(input_ids))
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(
-                    f"input_ids hold ids in [{low}, {high}] but vocab_size={self.config.vocab_size}: "
-                    "the tokenizer and the model config disagree"
-                )
+            if _ids_checked_on_host(input_ids.device):
+                check_token_ids(input_ids, self.config.vocab_size)
+            else:
+                # Reading the ids on the host would stall every step; this assert runs on the device and, when it
+                # fails, prints the message and surfaces at the next sync as a CUDA device-side assert.
+                in_range = ((input_ids >= 0) & (input_ids < self.config.vocab_size)).all()
+                torch._assert_async(in_range, _ids_message(self.config.vocab_size))
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         documents = None
@@ -228,11 +259,25 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().long(), ignore_index=-100)
         return LMOutput(logits, loss)
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Write `model.safetensors` and `config.json` into `directory` (created if needed)."""
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token at `seq_len` (default `config.context_length`): PaLM's 6*N + 12*L*H*Q*T.
+
+        N is every parameter of the config except an untied input embedding (a lookup, not a matmul); the
+        convention is spelled out in `lmcore.config.flops_per_token`. Computed from the config, so LoRA adapters
+        added later are not counted.
+
+        Example:
+            >>> GPT(ModelConfig.from_preset("tiny")).flops_per_token()  # 6 * 106,304 + 12 * 2 * 4 * 16 * 32
+            686976.0
+        """
+        return config_flops_per_token(self.config, seq_len)
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write `model.safetensors` and `config.json` into `directory` (created if needed); `state_dict` (the
+        model's own when None) supplies the tensors, e.g. weights consolidated from several ranks."""
         from lmcore.pretrained import save_pretrained
 
-        return save_pretrained(self, directory)
+        return save_pretrained(self, directory, state_dict)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, map_location: str | torch.device = "cpu") -> GPT:
