@@ -69,7 +69,47 @@ def test_bad_arguments_raise(model):
             generate(model, prompt, 2, **kwargs)
 
 
-def test_generate_restores_training_mode(model):
+def test_generate_restores_each_module_mode(model):
     model.train()
+    model.layers[0].mlp.eval()
     generate(model, torch.zeros(1, 2, dtype=torch.long), 2)
-    assert model.training
+    assert model.training and model.layers[1].mlp.training
+    assert not model.layers[0].mlp.training and not model.layers[0].mlp.dropout.training
+
+
+def test_a_model_left_in_training_mode_generates_without_dropout():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_preset("tiny", dropout=0.5))
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5))
+    reference = generate(model.eval(), prompt, 10, temperature=0.8, seed=4)
+    model.train()
+    rng = torch.get_rng_state()
+    assert torch.equal(generate(model, prompt, 10, temperature=0.8, seed=4), reference)
+    assert torch.equal(torch.get_rng_state(), rng)  # no dropout mask drawn from the global generator
+    greedy = generate(model, prompt, 10, temperature=0)
+    for t in range(5, 15):
+        assert torch.equal(greedy[:, t], model.eval()(greedy[:, :t]).logits[:, -1].argmax(-1))
+
+
+def poison(model, name, value):
+    with torch.no_grad():
+        model.get_parameter(name).view(-1)[0] = value
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0), dict(temperature=1.0, top_p=0.9, seed=0), dict(eos_id=3)])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_raise_one_error_naming_them(model, kwargs, value):
+    poison(model, "layers.1.mlp.down_proj.bias", value)
+    with pytest.raises(
+        ValueError,
+        match=r"logits contain NaN or inf: 1 parameter tensor\(s\) hold NaN or inf "
+        r"\(layers\.1\.mlp\.down_proj\.bias\)",
+    ):
+        generate(model, torch.zeros(2, 3, dtype=torch.long), 4, **kwargs)
+
+
+def test_overflowing_activations_with_finite_weights_are_named(model):
+    with torch.no_grad():
+        model.norm.weight.fill_(3e38)  # finite, but the final activations and the logits overflow to inf
+    with pytest.raises(ValueError, match="every parameter is finite"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, seed=0)

@@ -49,6 +49,11 @@ def generate(
     With `eos_id`, a row that has produced it keeps producing `eos_id`, and generation stops early once
     every row has. `seed` makes sampling reproducible through a private torch.Generator.
 
+    The model runs in eval mode (no dropout) even when the caller left it in training mode; every module's
+    mode is restored afterwards. Logits with NaN or inf (non-finite weights, a float16 overflow) raise
+    ValueError naming the cause, instead of an error from the sampler; the check adds no host sync per token, so
+    it fires after the last token (at the failing one when `eos_id` is set, whose check syncs anyway).
+
     Example:
         >>> out = generate(model, torch.tensor([[1, 2, 3]]), 20, temperature=0.8, top_k=50, seed=0)  # doctest: +SKIP
     """
@@ -67,27 +72,50 @@ def generate(
         generator = torch.Generator(device=input_ids.device)
         generator.manual_seed(seed)
 
-    was_training = model.training
+    # Dropout off whatever mode the caller left the model in; each module's own flag is restored afterwards.
+    modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         cache = KVCache(model.config.n_layer)
         out = input_ids
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
+        # Set on the device and read once at the end, so the check costs no host sync per token.
+        non_finite = torch.zeros((), dtype=torch.bool, device=input_ids.device)
         step_input = input_ids
         for _ in range(max_new_tokens):
             logits = model(step_input, kv_cache=cache).logits[:, -1, :].float()  # (B, V)
+            bad_rows = ~torch.isfinite(logits).all(dim=-1)  # (B,)
+            non_finite |= bad_rows.any()
             if temperature == 0:
                 next_token = logits.argmax(dim=-1)  # (B,)
             else:
-                logits = filter_logits(logits / temperature, top_k, top_p)
+                # A NaN row would make multinomial fail (a device-side assert on CUDA) before the clear error below.
+                logits = filter_logits(logits.masked_fill(bad_rows[:, None], 0.0) / temperature, top_k, top_p)
                 next_token = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)  # (B,)
             if eos_id is not None:
                 next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
                 finished |= next_token == eos_id
             out = torch.cat([out, next_token[:, None]], dim=1)  # (B, T + i + 1)
-            if eos_id is not None and bool(finished.all()):
+            if eos_id is not None and bool(finished.all() | non_finite):  # one sync per token here anyway
                 break
             step_input = next_token[:, None]  # (B, 1)
+        if bool(non_finite):
+            raise ValueError(non_finite_message(model))
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
     return out
+
+
+def non_finite_message(model: nn.Module) -> str:
+    """Why generation stopped: the model's logits held NaN or inf, with the parameters that are not finite."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        cause = f"{len(bad)} parameter tensor(s) hold NaN or inf ({shown})"
+    else:
+        cause = "every parameter is finite, so an activation overflowed (float16? run in float32 or bfloat16)"
+    return (
+        f"generate: the model's logits contain NaN or inf: {cause}; load a checkpoint saved before the loss "
+        "diverged or check the weights file"
+    )
