@@ -4,13 +4,17 @@ TinyShakespeare as raw bytes (vocab 256, no tokenizer), the first 90% for traini
 Every scheme sees the same batches in the same order; AdamW, lr 1e-3 after a 20-step linear warmup,
 no gradient clipping (so an exploding norm would show). Prints one row per scheme.
 
-    python benchmarks/bench_init.py [--steps 200] [--batch 8] [--seq-len 64] [--threads 1]
+Reads TinyShakespeare from `shared/data/tinyshakespeare/input.txt` beside the repository root (`--data` to point
+elsewhere); without the file it prints a `skipped:` line and exits 0.
+
+    python benchmarks/bench_init.py [--steps 200] [--batch 8] [--seq-len 64] [--threads 1] [--data PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -77,16 +81,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", type=Path, default=DATA, help="TinyShakespeare input.txt")
     args = parser.parse_args()
-    if not DATA.is_file():
-        raise SystemExit(f"TinyShakespeare not found at {DATA}")
+    if not args.data.is_file():
+        print(f"skipped: {args.data} is absent (expected ../shared/data next to the repository root, or --data)")
+        return
     torch.set_num_threads(args.threads)
-    data = torch.tensor(list(DATA.read_bytes()), dtype=torch.long)
+    data = torch.tensor(list(args.data.read_bytes()), dtype=torch.long)
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
+    config = ModelConfig.from_preset("cpu-small", vocab_size=256, context_length=args.seq_len)
     print(
-        f"cpu-small (vocab 256 bytes), {args.steps} steps x {args.batch} x {args.seq_len} tokens, ln(256)="
-        f"{math.log(256):.3f}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}; "
+        f"cpu-small ({config.n_layer} layers, width {config.d_model}, {config.n_head} heads, vocab 256 bytes), "
+        f"{args.steps} steps x {args.batch} x {args.seq_len} tokens, ln(256)={math.log(256):.3f}"
     )
     header = ("scheme", "loss@0", "rms emb", "rms last", "|g| blk0", "|g| blkN", "max |g|", "@step", "train", "val")
     print(" | ".join(f"{h:>8}" for h in header))
@@ -107,6 +115,7 @@ def main() -> None:
         print(
             " | ".join(f"{c:>8.4g}" if isinstance(c, float) else f"{c:>8}" for c in cells) + f"  ({r['seconds']:.0f}s)"
         )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ rows hold packed documents of a given mean length (ratio = unset time / set time
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -153,7 +154,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.reps} reps x {args.iters} iters")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.reps} reps x {args.iters} iters, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     results = {}
     for T, reps in ((512, max(3, args.reps // 3)), (64, args.reps)):
         results[T] = measure(T, 12, reps, args.iters)
@@ -170,6 +174,7 @@ def main() -> None:
             f"{T:>5} {12:>3} {mean_doc:>8} {r['n_docs']:>5} {r['plain_ms']:>9.1f} {r['documents_ms']:>9.1f} "
             f"{r['ratio']:>7.3f}"
         )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
