@@ -5,15 +5,12 @@ write_tokens, then times B x T random-window batches three ways, in this one run
 
   nanogpt recipe   a fresh np.memmap per batch, per-row astype(int64), torch.stack (nanoGPT train.py get_batch)
   tokbin gather    TokenFile.gather on RandomWindows: one fancy-index copy and one widening copy, no thread
-  tokbin Loader    the same through the default Loader (prefetch thread, max_prefetch=3, which gathers the
-                   batches 3 at a time and hands them over 3 per queue item), as a training loop sees it
-  Loader on prefetch_generator
-                   the Loader's own producer (same sampler, same 3-batch gather_many groups) handed over by
-                   prefetch_generator.BackgroundGenerator(producer, max_prefetch=1), i.e. a queue.Queue of one
-                   3-batch group, in place of the Loader's HandOff queue: the two hand-offs compared alone
+  tokbin Loader    the same through the default Loader (prefetch_generator's BackgroundGenerator thread,
+                   max_prefetch=3, which gathers the batches 3 at a time and hands them over 3 per queue item),
+                   as a training loop sees it
   BackgroundGenerator recipe
                    the conventional recipe: BackgroundGenerator(one gather per batch, max_prefetch=3), same
-                   sampler, TokenFile.gather per batch, one queue.Queue item per batch
+                   sampler, TokenFile.gather per batch, one queue item per batch
   Loader, busy     the same Loader with a consumer that sleeps 2 ms per batch (a training step that releases the
                    GIL, as a CUDA sync does): the time spent inside next() expressed as tokens/s, i.e. how fast
                    batches are handed over when the prefetch queue is kept full. Context, not the goal figure
@@ -21,11 +18,12 @@ write_tokens, then times B x T random-window batches three ways, in this one run
                    64 MiB RAM array (so the source is not cache-resident) into a preallocated buffer
   raw file copy    np.copyto of the bytes one batch reads from the file (B*(T+1) uint16 = 32 KiB, one contiguous
                    slice of the memmap): the floor of any memmap loader, shown for context
-  hand-off         the round trip of an item between two threads through queue.SimpleQueue (the C queue the
-                   Loader's hand-off is built on), for context: what one wake-up of a waiting thread costs here
+  hand-off         the round trip of an item between two threads through two queue.Queue (the queue
+                   BackgroundGenerator hands items over with), for context: what one wake-up of a waiting thread
+                   costs here
 
-Prints a table (best round per method), the per-round ratios of the Loader to the two prefetch_generator
-loaders (median and range over the alternating rounds), and ends with `loader_vs_nanogpt_recipe: <ratio>`
+Prints a table (best round per method), the per-round ratio of the Loader to the BackgroundGenerator
+recipe (median and range over the alternating rounds), and ends with `loader_vs_nanogpt_recipe: <ratio>`
 (Loader vs recipe). Never asserts on time.
 Usage: python benchmarks/bench_loader.py [--quick] [--tokens N] [--batches N] [--rounds N]
 """
@@ -70,11 +68,11 @@ def nanogpt_get_batch(path: Path, n_tokens: int, gen: torch.Generator) -> tuple[
 
 
 def hand_off_round_trip_us(n: int = 3000) -> float:
-    """Mean of n round trips of an item through two queue.SimpleQueue between two threads, in us.
+    """Mean of n round trips of an item through two queue.Queue between two threads, in us.
 
     Context for the Loader rows: every queue item the consumer waits for costs at least one such one-way wake-up.
     """
-    there, back = queue.SimpleQueue(), queue.SimpleQueue()
+    there, back = queue.Queue(1), queue.Queue(1)
 
     def echo() -> None:
         while (item := there.get()) is not None:
@@ -114,20 +112,16 @@ def interleaved_rounds(fns: dict, n_batches: int, rounds: int) -> dict[str, list
     return rates
 
 
-def prefetch_generator_loaders(tf: TokenFile, max_prefetch: int = 3) -> dict[str, Iterator]:
-    """The two loaders built on prefetch_generator.BackgroundGenerator, each with its own RandomWindows stream.
+def background_generator_recipe(tf: TokenFile, max_prefetch: int = 3) -> Iterator:
+    """``BackgroundGenerator`` over one ``gather`` per batch, with its own RandomWindows stream.
 
-    Neither can be stopped (BackgroundGenerator has no close()): their daemon threads stay blocked on a full
-    queue until the process exits, which costs nothing while another method is timed.
+    It cannot be stopped (BackgroundGenerator has no close()): its daemon thread stays blocked on a full queue
+    until the process exits, which costs nothing while another method is timed.
     """
     from prefetch_generator import BackgroundGenerator
 
-    # The Loader's producer: the same sampler calls and gather_many groups the Loader hands over.
-    producer = Loader(tf, RandomWindows(tf.n_tokens, T, B, seed=3), max_prefetch=max_prefetch)
-    groups = BackgroundGenerator(producer._produce(0), max_prefetch=max(1, max_prefetch // producer._group))
     sampler = RandomWindows(tf.n_tokens, T, B, seed=4)
-    per_batch = BackgroundGenerator((tf.gather(*sampler.batch(k)) for k in itertools.count()), max_prefetch)
-    return {"bg_groups": (batch for group in groups for batch in group), "bg_recipe": per_batch}
+    return BackgroundGenerator((tf.gather(*sampler.batch(k)) for k in itertools.count()), max_prefetch)
 
 
 def main() -> None:
@@ -169,15 +163,14 @@ def main() -> None:
             np.copyto(dst16, ids[o : o + dst16.size])
             k[0] += 1
 
-        bg = prefetch_generator_loaders(tf)
+        bg_recipe = background_generator_recipe(tf)
         with loader:
             rounds = interleaved_rounds(
                 {
                     "recipe": lambda: nanogpt_get_batch(path, n_tokens, gen),
                     "gather": lambda: tf.gather(*next(it)),
                     "loader": lambda: next(loader),
-                    "bg_groups": lambda: next(bg["bg_groups"]),
-                    "bg_recipe": lambda: next(bg["bg_recipe"]),
+                    "bg_recipe": lambda: next(bg_recipe),
                     "bound": raw_copy,
                     "file_copy": raw_file_copy,
                 },
@@ -202,7 +195,6 @@ def main() -> None:
         ("nanogpt recipe", recipe),
         ("tokbin gather (no thread)", gather),
         ("tokbin Loader (prefetch 3)", loader_rate),
-        ("Loader on prefetch_generator", rates["bg_groups"]),
         ("BackgroundGenerator recipe", rates["bg_recipe"]),
         ("Loader, busy consumer (context)", busy_rate),
         ("raw copy bound", bound),
@@ -218,16 +210,14 @@ def main() -> None:
         print(f"{name:30} {rate:14,.0f} {rate / (B * T):10,.0f} {rate / recipe:9.2f}x {rate / bound:8.1%}")
     round_trip = hand_off_round_trip_us()
     print(
-        f"thread hand-off round trip (queue.SimpleQueue ping-pong, context): {round_trip:.0f} us; "
+        f"thread hand-off round trip (queue.Queue ping-pong, context): {round_trip:.0f} us; "
         f"the gather alone takes {1e6 * B * T / gather:.0f} us per batch"
     )
-    for name, label in (("bg_groups", "Loader on prefetch_generator"), ("bg_recipe", "BackgroundGenerator recipe")):
-        ratios = sorted(a / b for a, b in zip(rounds["loader"], rounds[name], strict=True))
-        faster = sum(r > 1 for r in ratios)
-        print(
-            f"Loader / {label}, per round: median {statistics.median(ratios):.2f}x "
-            f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x), Loader faster in {faster} of {len(ratios)} rounds"
-        )
+    ratios = sorted(a / b for a, b in zip(rounds["loader"], rounds["bg_recipe"], strict=True))
+    print(
+        f"Loader / BackgroundGenerator recipe, per round: median {statistics.median(ratios):.2f}x "
+        f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}x), Loader faster in {sum(r > 1 for r in ratios)} of {len(ratios)}"
+    )
     print(f"gather_vs_nanogpt_recipe: {gather / recipe:.2f}")
     print(f"loader_fraction_of_bound: {loader_rate / bound:.3f}")
     print(f"loader_vs_nanogpt_recipe: {loader_rate / recipe:.2f}")

@@ -1,4 +1,4 @@
-import queue
+import itertools
 import threading
 import time
 
@@ -91,9 +91,9 @@ def test_close_stops_a_producer_blocked_on_a_full_queue(token_file):
     loader = Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=2)
     next(loader)
     deadline = time.monotonic() + 10
-    while not loader._bg.handoff.full() and time.monotonic() < deadline:
+    while not loader._bg.queue.full() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert loader._bg.handoff.full()  # the producer is now blocked in put()
+    assert loader._bg.queue.full()  # the producer is now blocked in put()
     thread = loader._bg
     loader.close()
     assert not thread.is_alive() and len(_prefetch_threads()) == before
@@ -118,7 +118,7 @@ def test_background_generator_close_with_endless_producer():
 def test_grouped_hand_off_keeps_order_and_ends_after_a_partial_group(group):
     bg = ClosableBackgroundGenerator(iter(range(10)), max_prefetch=4, group=group)
     assert list(bg) == list(range(10))
-    assert bg.handoff.maxsize == (max(1, 4 // group) if group > 1 else 4)
+    assert bg.queue.maxsize == (max(1, 4 // group) if group > 1 else 4)
     bg.join(5)
     assert not bg.is_alive()
 
@@ -189,7 +189,7 @@ def test_loader_queue_holds_at_most_max_prefetch_batches(token_file, max_prefetc
     with Loader(token_file, RandomWindows(token_file.n_tokens, 16, 2, seed=0), max_prefetch=max_prefetch) as loader:
         next(loader)
         bg = loader._bg
-        assert 1 <= bg.group <= max_prefetch and bg.handoff.maxsize * bg.group <= max_prefetch
+        assert 1 <= bg.group <= max_prefetch and bg.queue.maxsize * bg.group <= max_prefetch
 
 
 def test_invalid_max_prefetch_for_the_background_generator():
@@ -197,20 +197,24 @@ def test_invalid_max_prefetch_for_the_background_generator():
         ClosableBackgroundGenerator(iter(()), 0)
 
 
-def test_hand_off_is_a_bounded_fifo():
-    from tokbin.loader import HandOff
+def test_close_ends_the_source_generator_in_the_thread():
+    closed = threading.Event()
 
-    handoff = HandOff(2)
-    with pytest.raises(queue.Empty):
-        handoff.get(block=False)
-    handoff.put("a", timeout=0.01)
-    handoff.put("b", timeout=0.01)
-    assert handoff.full()
-    with pytest.raises(queue.Full):
-        handoff.put("c", timeout=0.01)
-    assert handoff.get() == "a"
-    assert not handoff.full()
-    handoff.put("c", timeout=0.01)
-    assert [handoff.get(), handoff.get()] == ["b", "c"]
-    with pytest.raises(ValueError, match="maxsize must be >= 1"):
-        HandOff(0)
+    def endless():
+        try:
+            yield from itertools.count()
+        finally:
+            closed.set()
+
+    bg = ClosableBackgroundGenerator(endless(), max_prefetch=2, group=2)
+    assert next(bg) == 0
+    bg.close()
+    assert closed.is_set() and not bg.is_alive()
+
+
+def test_base_class_is_prefetch_generators_background_generator():
+    from prefetch_generator import BackgroundGenerator
+
+    bg = ClosableBackgroundGenerator(iter(range(3)), max_prefetch=3)
+    assert isinstance(bg, BackgroundGenerator) and type(bg).run is BackgroundGenerator.run
+    assert list(bg) == [0, 1, 2]

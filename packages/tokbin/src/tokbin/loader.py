@@ -1,10 +1,13 @@
-"""Background-prefetching batch loader over a TokenFile and a sampler, with exact resume and a real close()."""
+"""Background-prefetching batch loader over a token dataset and a sampler, with exact resume and a real close()."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,49 +15,16 @@ from prefetch_generator import BackgroundGenerator
 
 from tokbin.tokenfile import TokenFile
 
-_PUT_POLL_S = 0.05  # how often a producer blocked on a full queue checks for close()
+if TYPE_CHECKING:
+    from tokbin.blend import Blend
+
+_CLOSE_POLL_S = 0.02  # how often close() drains the queue while it waits for the producer thread to end
 # Batches per queue item in Loader, and per gather_many call in its producer. Every hand-off wakes the consumer
 # thread and makes the two threads trade the GIL, which cost about as much as the gather itself on 2 shared cores
 # (60-75 us per batch through the thread against 23 us for the gather alone); handing batches over 3 or 4 at a time
 # brought it to 30-40 us per batch, and gathering them 3 or 4 at a time (one fancy index, one widening copy) took
 # the producer's Python per batch down too.
 _LOADER_GROUP = 4
-
-
-class HandOff:
-    """Bounded FIFO between one producer and one consumer thread, on two C-level ``queue.SimpleQueue``.
-
-    ``ready`` holds the items and ``free`` one token per empty slot: ``put`` takes a token (waiting at most
-    ``timeout`` s, else ``queue.Full``) and ``get`` gives one back. Unlike ``queue.Queue``, whose Python-level
-    Condition runs a dozen lines under the GIL on both sides of every hand-off, each side here is two C calls; with
-    the consumer waiting on the producer that raised the Loader from ~62% to ~69% of the benchmark's bound (median
-    of 25 interleaved rounds), since those lines were what the two threads queued for the GIL to run.
-    """
-
-    def __init__(self, maxsize: int) -> None:
-        if maxsize < 1:
-            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
-        self.maxsize = maxsize
-        self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(maxsize):
-            self._free.put(None)
-
-    def put(self, item: object, timeout: float | None = None) -> None:
-        try:
-            self._free.get(timeout=timeout)
-        except queue.Empty:
-            raise queue.Full from None
-        self._ready.put(item)
-
-    def get(self, block: bool = True) -> object:
-        """The oldest item; waits for one unless ``block=False`` (then ``queue.Empty`` if there is none)."""
-        item = self._ready.get(block)
-        self._free.put(None)
-        return item
-
-    def full(self) -> bool:
-        return self._free.empty()
 
 
 def _in_groups(items: Iterator, n: int) -> Iterator[list]:
@@ -75,16 +45,17 @@ def _in_groups(items: Iterator, n: int) -> Iterator[list]:
 
 
 class ClosableBackgroundGenerator(BackgroundGenerator):
-    """prefetch_generator's BackgroundGenerator with ``close()``, hand-off of items in groups, and a lighter queue.
+    """prefetch_generator's BackgroundGenerator with ``close()`` and hand-off of items in groups.
 
-    The base class blocks forever in ``queue.put`` once the consumer stops reading; here the producer polls a
-    stop event while waiting, and ``close()`` sets it, drains the queue and joins the thread. With ``group > 1``
-    the producer puts lists of up to ``group`` items on the queue (a shorter one before an exception or the end),
-    and the queue holds ``max(1, max_prefetch // group)`` of them, so at most ``max(max_prefetch, group)`` items
-    wait in it. With ``grouped=True`` the generator yields those lists itself (each at most ``group`` long), so it
-    decides when a group is handed over. Items arrive in order, and a producer exception is raised in the consumer
-    after every item produced before it. The hand-off goes through ``self.handoff`` (a ``HandOff``), not the base
-    class's ``queue.Queue``, which stays unused.
+    The base class runs the generator in a daemon thread, hands its items over through a bounded ``queue.Queue``
+    and re-raises a producer exception in the consumer after the items produced before it; all of that is used
+    as it is. What it lacks is a way to stop: its thread blocks in ``queue.put`` for good once the consumer stops
+    reading. Here the thread iterates a wrapper that ends the generator once ``close()`` has been called, and
+    ``close()`` drains the queue until the thread has put its last item and exited (then the wrapped generator is
+    closed, in the thread). With ``group > 1`` the thread puts lists of up to ``group`` items on the queue (a
+    shorter one before an exception or the end), and the queue holds ``max(1, max_prefetch // group)`` of them,
+    so at most ``max(max_prefetch, group)`` items wait in it. With ``grouped=True`` the generator yields those
+    lists itself (each at most ``group`` long), so it decides when a group is handed over.
 
     Example::
 
@@ -98,75 +69,56 @@ class ClosableBackgroundGenerator(BackgroundGenerator):
             raise ValueError(f"group must be >= 1, got {group}")
         if max_prefetch < 1:
             raise ValueError(f"max_prefetch must be >= 1, got {max_prefetch}")
-        # set before the base __init__ starts the thread
-        self._halt = threading.Event()
+        self._halt = threading.Event()  # set before the base __init__ starts the thread
         self.group = group
-        self.handoff = HandOff(max(1, max_prefetch // group))
-        self._groups = generator if grouped else _in_groups(generator, group)
         self._pending: list = []  # the rest of the last group taken off the queue, reversed (pop() is the next item)
-        super().__init__(generator, max_prefetch=max_prefetch)
+        groups = generator if grouped else _in_groups(generator, group)
+        super().__init__(self._until_closed(groups, generator), max_prefetch=max(1, max_prefetch // group))
 
-    def _put(self, item: tuple) -> bool:
-        while not self._halt.is_set():
-            try:
-                self.handoff.put(item, timeout=_PUT_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run(self) -> None:
+    def _until_closed(self, groups: Iterator[list], source: Iterator) -> Iterator[list]:
+        # What the base class's run() iterates in the thread: the non-empty groups, reversed, until close().
         try:
-            for items in self._groups:
-                if items and not self._put((True, items[::-1])):
+            for items in groups:
+                if items:
+                    yield items[::-1]
+                if self._halt.is_set():
                     return
-        except Exception as e:
-            self._put((False, e))
         finally:
-            self._put((False, StopIteration))
-            self._close_generator()
-
-    def _close_generator(self) -> None:
-        for generator in (self._groups, self.generator):
-            close = getattr(generator, "close", None)
-            if close is not None:
-                close()
+            for generator in (groups, source):
+                close = getattr(generator, "close", None)
+                if close is not None:
+                    close()
 
     def next(self):
-        if self._pending:
-            return self._pending.pop()
-        if not self.Continue:
-            raise StopIteration
-        success, item = self.handoff.get()
-        if not success:
-            self.Continue = False
-            raise item
-        self._pending = item
-        return item.pop()
+        if not self._pending:
+            self._pending = super().next()  # raises the producer's exception, then StopIteration
+        return self._pending.pop()
 
     __next__ = next
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the producer thread and wait for it; safe to call twice."""
         self._halt.set()
-        self.Continue = False
+        self.Continue = False  # the base class's next() now raises StopIteration
         self._pending = []
+        deadline = time.monotonic() + timeout
         while self.is_alive():
             try:
                 while True:
-                    self.handoff.get(block=False)
+                    self.queue.get_nowait()
             except queue.Empty:
                 pass
-            self.join(_PUT_POLL_S)
-            timeout -= _PUT_POLL_S
-            if timeout <= 0:
+            self.join(_CLOSE_POLL_S)
+            if time.monotonic() > deadline:
                 raise RuntimeError("prefetch thread did not stop within the timeout (the producer is stuck)")
 
 
 class Loader:
     """Iterator of ``(inputs, targets)`` int64 (B, T) tensors from ``token_file`` in the order ``sampler`` gives.
 
-    Batches are gathered ahead in a background thread and handed over ``min(max_prefetch, 4)`` per queue item
+    ``token_file`` is a path, a ``TokenFile`` or any dataset with its reading interface (``n_tokens`` and
+    ``gather_many``), such as a ``Blend`` read with a ``BlendWindows`` sampler. Batches are gathered ahead in a
+    ``ClosableBackgroundGenerator`` thread and handed over ``min(max_prefetch, 4)`` per queue item
     (one thread wake-up per group rather than per batch); at most ``max_prefetch`` batches wait in the queue.
     ``state_dict()`` counts only the batches already handed out, so saving it and later calling
     ``load_state_dict`` resumes with the very next batch the consumer would have seen. With a CUDA ``device``
@@ -180,10 +132,17 @@ class Loader:
             x, y = next(loader)  # (16, 1024) int64 each; y[:, :-1] == x[:, 1:]
     """
 
-    def __init__(self, token_file: TokenFile, sampler, *, device: str | torch.device = "cpu", max_prefetch: int = 3):
+    def __init__(
+        self,
+        token_file: TokenFile | Blend | str | os.PathLike,
+        sampler,
+        *,
+        device: str | torch.device = "cpu",
+        max_prefetch: int = 3,
+    ):
         if max_prefetch < 1:
             raise ValueError(f"max_prefetch must be >= 1, got {max_prefetch}")
-        self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
+        self.token_file = TokenFile(token_file) if isinstance(token_file, (str, os.PathLike)) else token_file
         self.sampler = sampler
         self.device = torch.device(device)
         self.max_prefetch = max_prefetch
