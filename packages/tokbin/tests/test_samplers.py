@@ -1,9 +1,10 @@
 import itertools
+import json
 
 import numpy as np
 import pytest
 
-from tokbin import DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
+from tokbin import BlendWindows, DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
 
 
 def _take(sampler, n):
@@ -20,6 +21,7 @@ FACTORIES = {
     "random": lambda **kw: RandomWindows(10_000, 32, 8, **kw),
     "epoch": lambda **kw: EpochWindows(10_000, 32, 8, **kw),
     "dynamic": lambda **kw: DynamicLength(10_000, 256, SeqLenWarmup(16, 128, 20), **kw),
+    "blend": lambda **kw: BlendWindows([6_000, 3_000, 1_000], [0.7, 0.2, 0.1], 32, 8, **kw),
 }
 
 
@@ -121,3 +123,59 @@ def test_document_lengths_pick_the_bucket_of_the_drawn_document():
         assert t == (256 if anchor_len <= 256 else 1024)
         seen.add(t)
     assert seen == {256, 1024}
+
+
+def test_blend_ranks_take_interleaved_rows_of_the_single_process_stream():
+    # rank r of W takes rows r, r+W, ... of the batch a single process with a W-times larger batch would draw:
+    # the ranks' sample slots are disjoint and together are exactly that stream
+    world = 3
+    single = _take(BlendWindows([6_000, 3_000, 1_000], [0.7, 0.2, 0.1], 32, 8 * world, seed=5), 130)
+    ranks = [
+        _take(BlendWindows([6_000, 3_000, 1_000], [0.7, 0.2, 0.1], 32, 8, seed=5, rank=r, world_size=world), 130)
+        for r in range(world)
+    ]
+    for step, (starts, t) in enumerate(single):
+        for r in range(world):
+            assert ranks[r][step][1] == t and np.array_equal(ranks[r][step][0], starts[r::world])
+
+
+def test_blend_windows_stay_inside_their_source_and_reach_its_end():
+    sizes, seq_len = [100, 50, 40], 9
+    offsets = np.cumsum([0, *sizes])
+    starts = np.concatenate([b for b, _ in _take(BlendWindows(sizes, [1, 1, 1], seq_len, 64, seed=0), 100)])
+    source = np.searchsorted(offsets, starts, side="right") - 1
+    assert (starts + seq_len + 1 <= offsets[source + 1]).all()  # every window of T + 1 tokens inside one source
+    for i in range(3):  # first and last possible start of each source drawn
+        mine = starts[source == i]
+        assert mine.min() == offsets[i] and mine.max() == offsets[i + 1] - seq_len - 1
+
+
+def test_blend_zero_weight_source_is_never_drawn():
+    starts = np.concatenate([b for b, _ in _take(BlendWindows([100, 100, 100], [1, 0, 2], 8, 64, seed=0), 50)])
+    assert not ((starts >= 100) & (starts < 200)).any()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "weights", "match"),
+    [
+        ([100, 100], [1, -1], r"weights\[1\] must be a finite number >= 0, got -1"),
+        ([100, 100], [0, 0], "weights must not all be 0"),
+        ([100, 100], [1, float("nan")], r"weights\[1\] must be a finite number"),
+        ([100], [1, 1], "one weight per source"),
+        ([100, 5], [1, 1], r"source 1 has 5 tokens, fewer than a window of seq_len \+ 1 \(9\)"),
+    ],
+)
+def test_blend_windows_reject_bad_configuration(sizes, weights, match):
+    with pytest.raises(ValueError, match=match):
+        BlendWindows(sizes, weights, 8, 4, seed=0)
+
+
+def test_blend_state_round_trips_through_json_and_rejects_other_weights():
+    s = BlendWindows([6_000, 3_000], [0.7, 0.3], 32, 8, seed=1)
+    _take(s, 5)
+    state = json.loads(json.dumps(s.state_dict()))
+    same = BlendWindows([6_000, 3_000], [0.7, 0.3], 32, 8, seed=1)
+    same.load_state_dict(state)
+    assert same.step == 5
+    with pytest.raises(ValueError, match=r"weights is \[0.7, 0.3\], this sampler has \[0.5, 0.5\]"):
+        BlendWindows([6_000, 3_000], [0.5, 0.5], 32, 8, seed=1).load_state_dict(state)

@@ -1,9 +1,10 @@
 """SentencePiece tokenization into a self-describing binary token file, memmap batches, samplers and prefetch."""
 
+from tokbin.blend import Blend
 from tokbin.cleaning import clean_text
 from tokbin.encode import encode_files
 from tokbin.errors import TokenFileError
-from tokbin.samplers import DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
+from tokbin.samplers import BlendWindows, DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
 from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
@@ -29,6 +30,8 @@ def __getattr__(name: str):
 __all__ = [
     "BLOCK_TOKENS",
     "IGNORE_INDEX",
+    "Blend",
+    "BlendWindows",
     "ClosableBackgroundGenerator",
     "DocumentLengths",
     "DynamicLength",

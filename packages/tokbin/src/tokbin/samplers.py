@@ -10,7 +10,7 @@ their samples are disjoint and their union is the single-process stream of a ``w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +140,82 @@ class EpochWindows(_Sampler):
         epoch, k = divmod(step, self.batches_per_epoch)
         windows = self._windows(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
         return windows.astype(np.int64) * self.seq_len, self.seq_len
+
+
+def blend_probabilities(weights: Sequence[float]) -> np.ndarray:
+    """Relative weights as probabilities summing to 1; ValueError for a negative or non-finite weight or a zero sum."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0:
+        raise ValueError(f"weights must be a non-empty list of numbers, got {weights!r}")
+    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+    if bad.size:
+        raise ValueError(f"weights[{bad[0]}] must be a finite number >= 0, got {weights[bad[0]]!r}")
+    if w.sum() <= 0:
+        raise ValueError(f"weights must not all be 0, got {list(weights)}")
+    return w / w.sum()
+
+
+class BlendWindows(_Sampler):
+    """Random windows over a blend of sources: each row draws its source by weight, then a start inside it.
+
+    Source i holds positions ``[offset_i, offset_i + sizes[i])`` of the blend (offsets are the running sums of
+    ``sizes``, as in ``Blend.offsets``), and a row's window of ``seq_len + 1`` tokens lies inside its source, so
+    no window mixes two sources. Rows are independent: the number of rows from source i in N draws is
+    Binomial(N, weights[i] / sum(weights)). Rank r of W takes rows r, r+W, ... of the global batch, as in
+    RandomWindows; ``state_dict()`` holds the sizes and weights, so a state resumes only on the same blend.
+
+    Example::
+
+        s = BlendWindows([n_web, n_books, n_code], [0.7, 0.2, 0.1], seq_len=1024, batch_size=16, seed=0)
+        starts, T = s.batch(0)  # 16 blend positions; about 70% of rows fall in the first source
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        weights: Sequence[float],
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        _check_rank(rank, world_size)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        if len(sizes) != len(weights):
+            raise ValueError(f"one weight per source: got {len(sizes)} sizes and {len(weights)} weights")
+        self.sizes, self.weights = [int(n) for n in sizes], [float(w) for w in weights]
+        self._p = blend_probabilities(self.weights)
+        for i, (n, p) in enumerate(zip(self.sizes, self._p, strict=True)):
+            if p > 0 and n < seq_len + 1:
+                raise ValueError(
+                    f"source {i} has {n} tokens, fewer than a window of seq_len + 1 ({seq_len + 1}): "
+                    "give it weight 0 or use a shorter seq_len"
+                )
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step = 0
+        self._offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        # exclusive upper bound of a start inside each source (1 for an unused source too short for a window)
+        self._highs = np.maximum(np.asarray(self.sizes, dtype=np.int64) - seq_len, 1)
+        self._chunk_index = -1
+        self._chunk: np.ndarray | None = None
+
+    def _config(self) -> dict:
+        keys = ("sizes", "weights", "seq_len", "batch_size", "seed", "rank", "world_size")
+        return {k: getattr(self, k) for k in keys}
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        chunk_index, row = divmod(step, _CHUNK_STEPS)
+        if chunk_index != self._chunk_index:
+            rng = np.random.default_rng([self.seed, chunk_index])
+            shape = (_CHUNK_STEPS, self.batch_size * self.world_size)
+            source = rng.choice(len(self.sizes), size=shape, p=self._p)
+            self._chunk = self._offsets[source] + rng.integers(0, self._highs[source])
+            self._chunk_index = chunk_index
+        return self._chunk[row, self.rank :: self.world_size], self.seq_len
 
 
 @dataclass(frozen=True)
