@@ -8,6 +8,10 @@ write_tokens, then times B x T random-window batches three ways, in this one run
   tokbin Loader    the same through the default Loader (prefetch_generator's BackgroundGenerator thread,
                    max_prefetch=3, which gathers the batches 3 at a time and hands them over 3 per queue item),
                    as a training loop sees it
+  Loader over a Blend
+                   the same Loader over a Blend of three sources (the same file opened three times, weights
+                   0.7/0.2/0.1) with its BlendWindows sampler: each source gathers its rows, then they are copied
+                   into one buffer in the batch's order
   BackgroundGenerator recipe
                    the conventional recipe: BackgroundGenerator(one gather per batch, max_prefetch=3), same
                    sampler, TokenFile.gather per batch, one queue item per batch
@@ -44,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokbin import Loader, RandomWindows, TokenFile, write_tokens
+from tokbin import Blend, Loader, RandomWindows, TokenFile, write_tokens
 from tokbin.fileformat import HEADER_SIZE
 
 B, T = 16, 1024
@@ -164,13 +168,15 @@ def main() -> None:
             k[0] += 1
 
         bg_recipe = background_generator_recipe(tf)
-        with loader:
+        blend = Blend([TokenFile(path) for _ in range(3)], [0.7, 0.2, 0.1])
+        with loader, Loader(blend, blend.sampler(T, B, seed=5), max_prefetch=3) as blend_loader:
             rounds = interleaved_rounds(
                 {
                     "recipe": lambda: nanogpt_get_batch(path, n_tokens, gen),
                     "gather": lambda: tf.gather(*next(it)),
                     "loader": lambda: next(loader),
                     "bg_recipe": lambda: next(bg_recipe),
+                    "blend": lambda: next(blend_loader),
                     "bound": raw_copy,
                     "file_copy": raw_file_copy,
                 },
@@ -195,6 +201,7 @@ def main() -> None:
         ("nanogpt recipe", recipe),
         ("tokbin gather (no thread)", gather),
         ("tokbin Loader (prefetch 3)", loader_rate),
+        ("Loader over a 3-source Blend", rates["blend"]),
         ("BackgroundGenerator recipe", rates["bg_recipe"]),
         ("Loader, busy consumer (context)", busy_rate),
         ("raw copy bound", bound),
