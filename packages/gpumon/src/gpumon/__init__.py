@@ -11,7 +11,7 @@ from gpumon.host_backend import HostBackend
 from gpumon.monitor import Monitor
 from gpumon.nvml_backend import NVMLBackend
 from gpumon.nvml_devices import NVMLUnavailable, devices
-from gpumon.recording import Recording, RecordingError
+from gpumon.recording import Recording, RecordingError, RecordingExistsError, host_name, recording_path
 from gpumon.reports import summarize_recording
 from gpumon.sampler import Sampler
 from gpumon.statistics import Summary
@@ -24,9 +24,12 @@ __all__ = [
     "NVMLUnavailable",
     "Recording",
     "RecordingError",
+    "RecordingExistsError",
     "Sampler",
     "Summary",
     "__version__",
     "devices",
+    "host_name",
+    "recording_path",
     "summarize_recording",
 ]

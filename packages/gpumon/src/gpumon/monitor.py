@@ -15,6 +15,7 @@ from gpumon.host_backend import HostBackend
 from gpumon.nvml_backend import DEFAULT_PERIODS as NVML_PERIODS
 from gpumon.nvml_backend import NVMLBackend
 from gpumon.nvml_devices import NVMLUnavailable
+from gpumon.recording import IF_EXISTS
 from gpumon.sampler import Sampler
 from gpumon.statistics import Summary
 
@@ -26,7 +27,10 @@ class Monitor:
 
     backend: "auto" = NVML and host when a driver is present, else host only with a warning; "nvml" = GPUs only
     (raises NVMLUnavailable on entry without a driver); "host" = CPU % and the process tree's RSS only.
-    out: a CSV file written as the run goes (format in the README); None keeps only the in-memory summary.
+    out: a CSV file written as the run goes (format in the README); None keeps only the in-memory summary. On a
+    filesystem that several nodes or restarts share, `gpumon.recording_path(directory)` gives a new per-host name.
+    if_exists: what to do when `out` already holds a recording: "error" (the default: raise RecordingExistsError on
+    start; an empty file is written into), "overwrite" (truncate it) or "append" (add this run after it).
     pid: root of the process tree the host backend follows (default: this process).
     periods: per-metric-group poll periods in seconds, overriding the defaults; NVML groups by name (memory, power,
     temperature, clocks, clock_events, utilization, pcie, processes), host groups as "host.cpu" / "host.memory".
@@ -48,9 +52,12 @@ class Monitor:
         *,
         pid: int | None = None,
         periods: Mapping[str, float | None] | None = None,
+        if_exists: str = "error",
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if if_exists not in IF_EXISTS:
+            raise ValueError(f"if_exists must be one of {IF_EXISTS}, got {if_exists!r}")
         if not (isinstance(rate_hz, (int, float)) and 0 < rate_hz <= 10_000):
             raise ValueError(f"rate_hz must be a number in (0, 10000], got {rate_hz!r}")
         allowed = set(NVML_PERIODS) | {f"host.{k}" for k in HOST_PERIODS}
@@ -62,6 +69,7 @@ class Monitor:
         self.backend = backend
         self.pid = pid
         self.periods = dict(periods or {})
+        self.if_exists = if_exists
         self.backends: list[Any] = []
         self.devices: list[dict[str, Any]] = []
         self.fallback_reason: str | None = None
@@ -98,7 +106,7 @@ class Monitor:
         try:
             pollers = [p for b in self.backends for p in b.pollers]
             meta = {"backends": [b.name for b in self.backends], "devices": self.devices, "pid": self.pid}
-            self._sampler = Sampler(pollers, self.rate_hz, self.out, meta=meta)
+            self._sampler = Sampler(pollers, self.rate_hz, self.out, meta=meta, if_exists=self.if_exists)
         except BaseException:
             self._close_backends()
             raise

@@ -40,3 +40,10 @@ class Poller:
             raise ValueError(f"poller {self.name}: {len(self.columns)} columns but {len(self.units)} units")
         if self.period_s < 0:
             raise ValueError(f"poller {self.name}: period_s must be >= 0, got {self.period_s}")
+
+    def failure(self, exc: BaseException) -> Failure:
+        """`classify(exc)`, or "error" where classify itself fails (a bug there must not stop the sampler)."""
+        try:
+            return self.classify(exc)
+        except Exception:
+            return "error"

@@ -32,6 +32,9 @@ def summarize_recording(path: str | os.PathLike[str]) -> Summary:
             failure, _, text = value.partition(": ")
             message[label] = (text, failure)
             continue
+        if kind == "segment":
+            builder.add_segment()
+            continue
         if kind != "s":
             continue
         builder.add_tick(t)

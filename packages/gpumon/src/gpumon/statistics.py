@@ -181,6 +181,9 @@ class SummaryBuilder:
         self.ticks = 0
         self.first_t: float | None = None
         self.last_t: float | None = None
+        self.segments = 1  # runs in the file: the time between two runs is neither sampled nor missed
+        self._closed_span = 0.0  # sampled time of the runs before the current one
+        self._segment_t: float | None = None  # first tick of the current run
         self.interval_errors = Reservoir(capacity)
         self.missed = 0
         self.errors: dict[str, int] = {}
@@ -189,14 +192,32 @@ class SummaryBuilder:
         self.marks = 0
 
     def add_tick(self, t: float) -> None:
-        if self.last_t is not None:
+        if self._segment_t is None:
+            self._segment_t = t
+            if self.first_t is None:
+                self.first_t = t
+        elif self.last_t is not None:
             gap = t - self.last_t
             self.interval_errors.add(abs(gap - self.period))
-            self.missed += max(0, round(gap / self.period) - 1)
-        else:
-            self.first_t = t
+            steps = gap / self.period
+            if math.isfinite(steps):  # a damaged file may hold any time at all
+                self.missed += max(0, round(steps) - 1)
         self.last_t = t
         self.ticks += 1
+
+    def add_segment(self) -> None:
+        """A later run appended to the same file starts: the gap before it is not an interval between ticks."""
+        if self._segment_t is not None and self.last_t is not None:
+            self._closed_span += self.last_t - self._segment_t
+            self._segment_t = None
+            self.segments += 1
+
+    @property
+    def duration_s(self) -> float:
+        """Sampled time: from the first to the last tick of each run, summed over the runs."""
+        if self._segment_t is None or self.last_t is None:
+            return self._closed_span
+        return self._closed_span + self.last_t - self._segment_t
 
     def add_error(self, column: str, message: str, failure: str) -> None:
         key = f"{column}: {message}"
@@ -211,7 +232,7 @@ class SummaryBuilder:
                 self.lost.append(group)
 
     def finish(self, busy_s: float | None = None, cpu_s: float | None = None) -> Summary:
-        duration = (self.last_t - self.first_t) if self.ticks else 0.0
+        duration = self.duration_s
         metrics = {c: m.as_dict() for c, m in self.metrics.items() if m.reads or m.errors}
         energy, from_power = {}, {}
         for c, m in self.metrics.items():
@@ -226,7 +247,7 @@ class SummaryBuilder:
             rate_hz=self.rate_hz,
             duration_s=duration,
             samples=self.ticks,
-            achieved_rate_hz=(self.ticks - 1) / duration if duration > 0 else None,
+            achieved_rate_hz=(self.ticks - self.segments) / duration if duration > 0 else None,
             interval_error_p99_ms=None if p99 is None else p99 * 1e3,
             missed_ticks=self.missed,
             sampler_us_per_sample=busy_s / self.ticks * 1e6 if busy_s is not None and self.ticks else None,
