@@ -11,6 +11,7 @@ import pytest
 import gpumon
 from gpumon.fake_nvml import FakeNVML, two_gpus
 from gpumon.nvml_backend import NVMLBackend
+from gpumon.nvml_fields import decode_field
 from gpumon.recording import Recording
 from gpumon.reports import summarize_recording
 from gpumon.sampler import Sampler
@@ -174,7 +175,10 @@ def test_field_status_and_value_types_are_decoded(monkeypatch, clock):
     backend = NVMLBackend()
     assert backend.pollers[1].read() == [250_000, 250_000, 0]  # gpu0.power: instant, average, energy
     value = SimpleNamespace(dVal=12.5, uiVal=7, ullVal=2**40, sllVal=-3, siVal=-4, ulVal=5)
-    decode = backend._field_value
+
+    def decode(fv):
+        return decode_field(fake, fv)
+
     assert decode(SimpleNamespace(nvmlReturn=0, valueType=fake.NVML_VALUE_TYPE_DOUBLE, value=value)) == 12.5
     assert (
         decode(SimpleNamespace(nvmlReturn=0, valueType=fake.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, value=value)) == 2**40

@@ -1,9 +1,12 @@
 """A stand-in `pynvml` module for machines without an NVIDIA driver (tests, the benchmark, CI).
 
 It mimics the parts of NVIDIA's binding that gpumon calls: the NVMLError hierarchy mapped from error codes,
-per-field status in nvmlDeviceGetFieldValues, and integer units. Each simulated metric refreshes on its own
-period (the value changes once per period, as the driver's counters do), a GPU can lack a metric
-(NotSupported) or disappear at a given time (GPU_IS_LOST from then on).
+integer units, and nvmlDeviceGetFieldValues as nvidia-ml-py has it: field ids (or (fieldId, scopeId) pairs) in,
+a ctypes array of c_nvmlFieldValue_t out (fieldId, scopeId, timestamp in microseconds since 1970, latencyUsec,
+valueType, a per-field nvmlReturn and the value union), an NVMLError raised only for the call as a whole. Each
+simulated metric refreshes on its own period (the value changes once per period, as the driver's counters do), a
+GPU can lack a metric (NotSupported) or disappear at a given time (GPU_IS_LOST from then on), and a simulated
+driver can predate some field ids or the field-values entry point itself.
 
 Example:
     >>> fake = FakeNVML()            # two GPUs
@@ -14,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 import types
@@ -26,9 +30,11 @@ from typing import Any
 CONSTANTS = {
     "NVML_SUCCESS": 0,
     "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_ERROR_INVALID_ARGUMENT": 2,
     "NVML_ERROR_NOT_SUPPORTED": 3,
     "NVML_ERROR_DRIVER_NOT_LOADED": 9,
     "NVML_ERROR_LIBRARY_NOT_FOUND": 12,
+    "NVML_ERROR_FUNCTION_NOT_FOUND": 13,
     "NVML_ERROR_GPU_IS_LOST": 15,
     "NVML_ERROR_UNKNOWN": 999,
     "NVML_TEMPERATURE_GPU": 0,
@@ -43,15 +49,19 @@ CONSTANTS = {
     "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG": 3,
     "NVML_VALUE_TYPE_SIGNED_LONG_LONG": 4,
     "NVML_VALUE_TYPE_SIGNED_INT": 5,
+    "NVML_VALUE_TYPE_UNSIGNED_SHORT": 6,
+    "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83,
     "NVML_FI_DEV_POWER_AVERAGE": 185,
     "NVML_FI_DEV_POWER_INSTANT": 186,
     "NVML_FI_DEV_ENERGY": 191,
 }
 MESSAGES = {
     1: "Uninitialized",
+    2: "Invalid Argument",
     3: "Not Supported",
     9: "Driver Not Loaded",
     12: "NVML Shared Library Not Found",
+    13: "Function Not Found",
     15: "GPU is lost",
     999: "Unknown Error",
 }
@@ -100,17 +110,59 @@ def _error_class(name: str, code: int) -> type[NVMLError]:
 
 ERROR_CLASSES = {
     "NVMLError_Uninitialized": _error_class("Uninitialized", 1),
+    "NVMLError_InvalidArgument": _error_class("InvalidArgument", 2),
     "NVMLError_NotSupported": _error_class("NotSupported", 3),
     "NVMLError_DriverNotLoaded": _error_class("DriverNotLoaded", 9),
     "NVMLError_LibraryNotFound": _error_class("LibraryNotFound", 12),
+    "NVMLError_FunctionNotFound": _error_class("FunctionNotFound", 13),
     "NVMLError_GpuIsLost": _error_class("GpuIsLost", 15),
     "NVMLError_Unknown": _error_class("Unknown", 999),
 }
 
 
+class c_nvmlValue_t(ctypes.Union):
+    """nvidia-ml-py's value union, member for member."""
+
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulonglong),
+        ("sllVal", ctypes.c_longlong),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class c_nvmlFieldValue_t(ctypes.Structure):
+    """nvidia-ml-py's field value structure, member for member (valueType and nvmlReturn are C enums: c_uint)."""
+
+    _fields_ = [
+        ("fieldId", ctypes.c_uint32),
+        ("scopeId", ctypes.c_uint32),
+        ("timestamp", ctypes.c_int64),
+        ("latencyUsec", ctypes.c_int64),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", c_nvmlValue_t),
+    ]
+
+
+# field id -> (simulated metric, the union member its value is written to by default)
+FIELDS = {186: ("power_instant", "uiVal"), 185: ("power_average", "uiVal"), 191: ("energy", "ullVal")}
+FIELDS[83] = FIELDS[191]  # nvml.h: NVML_FI_DEV_ENERGY is the same counter as NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+VALUE_TYPES = {"dVal": 0, "uiVal": 1, "ulVal": 2, "ullVal": 3, "sllVal": 4, "siVal": 5, "usVal": 6}
+
+
 @dataclass
 class FakeGPU:
-    """One simulated GPU. `unsupported` names metrics from DEFAULT_REFRESH; `lost_at` is seconds after creation."""
+    """One simulated GPU. `unsupported` names metrics from DEFAULT_REFRESH; `lost_at` is seconds after creation.
+
+    `unknown_fields`: field ids this simulated driver predates (their status is NVML_ERROR_NOT_SUPPORTED; what a
+    real driver puts there is not documented); `field_values=False`: a driver without nvmlDeviceGetFieldValues (the
+    binding raises NVMLError_FunctionNotFound); `value_members` overrides the union member a field's value is
+    written to (drivers differ in the valueType they report).
+    """
 
     name: str
     uuid: str
@@ -119,6 +171,10 @@ class FakeGPU:
     unsupported: set[str] = field(default_factory=set)
     lost_at: float | None = None
     utilization_samples: bool = True
+    compute_capability: tuple[int, int] = (9, 0)
+    unknown_fields: set[int] = field(default_factory=set)
+    field_values: bool = True
+    value_members: dict[int, str] = field(default_factory=dict)
 
 
 def two_gpus(**second: Any) -> list[FakeGPU]:
@@ -142,6 +198,7 @@ class FakeNVML(types.ModuleType):
         self.gpus = two_gpus() if gpus is None else gpus
         self.clock = clock
         self.t0 = clock()
+        self.t0_unix = time.time()
         self.driver = driver
         self.init_count = 0
         self.calls = 0
@@ -192,8 +249,7 @@ class FakeNVML(types.ModuleType):
         return self._gpu(handle).name
 
     def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
-        self._gpu(handle)
-        return (9, 0)
+        return self._gpu(handle).compute_capability
 
     def nvmlDeviceGetPowerManagementLimit(self, handle: int) -> int:
         self._gpu(handle)
@@ -204,29 +260,43 @@ class FakeNVML(types.ModuleType):
         used = self._wave(gpu, "memory", 2**30, 2**20)
         return SimpleNamespace(total=gpu.memory_total, used=used, free=gpu.memory_total - used)
 
-    def nvmlDeviceGetFieldValues(self, handle: int, field_ids: list[int]) -> list[SimpleNamespace]:
+    def nvmlDeviceGetFieldValues(self, handle: int, field_ids: list[Any]) -> ctypes.Array:
+        values = (c_nvmlFieldValue_t * len(field_ids))()
+        for i, fid in enumerate(field_ids):  # the binding fills the request in the same array
+            try:
+                values[i].fieldId, values[i].scopeId = fid
+            except TypeError:
+                values[i].fieldId = fid
         gpu = self._gpu(handle)
-        out = []
-        for fid in field_ids:
-            metric = {186: "power_instant", 185: "power_average", 191: "energy"}.get(fid)
-            fv = SimpleNamespace(
-                fieldId=fid,
-                scopeId=0,
-                timestamp=int(self.clock() * 1e6),
-                latencyUsec=0,
-                valueType=1,
-                nvmlReturn=0,
-                value=SimpleNamespace(uiVal=0, ullVal=0, dVal=0.0),
-            )
-            if metric is None or metric in gpu.unsupported:
+        if not gpu.field_values:
+            raise NVMLError(13)  # the binding's answer when the driver lacks the entry point
+        now_us = int((self.t0_unix + self.clock() - self.t0) * 1e6)
+        for fv in values:
+            fv.timestamp = now_us
+            known = FIELDS.get(fv.fieldId) if fv.fieldId not in gpu.unknown_fields else None
+            if known is None or known[0] in gpu.unsupported:
                 fv.nvmlReturn = 3
-            elif metric == "energy":
-                fv.valueType = 3
-                fv.value.ullVal = int(self._bucket(gpu, "energy") * gpu.refresh["energy"] * POWER_W * 1000)
+                continue
+            metric, member = known
+            member = gpu.value_members.get(fv.fieldId, member)
+            if metric == "energy":
+                value: float = self._energy_mj(gpu)
             else:
-                fv.value.uiVal = self._wave(gpu, metric, 250_000, 10_000)
-            out.append(fv)
-        return out
+                value = self._wave(gpu, metric, 250_000, 10_000)
+            fv.valueType = VALUE_TYPES[member]
+            setattr(fv.value, member, value if member == "dVal" else int(value))
+        return values
+
+    def _energy_mj(self, gpu: FakeGPU) -> int:
+        return int(self._bucket(gpu, "energy") * gpu.refresh["energy"] * POWER_W * 1000)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        # nvml.h: averaged over 1 s on Ampere other than GA100 and newer (cc 8.6 and up), instantaneous before
+        metric = "power_average" if self.gpus[handle].compute_capability >= (8, 6) else "power_instant"
+        return self._wave(self._gpu(handle, metric), metric, 250_000, 10_000)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        return self._energy_mj(self._gpu(handle, "energy"))
 
     def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
         return self._wave(self._gpu(handle, "temperature"), "temperature", 40, 1)

@@ -4,7 +4,7 @@ Values are recorded in NVML's native integer units (bytes, mW, mJ, degrees C, MH
 "the same value again" is an exact comparison and the file stays compact; the summary converts for display.
 
 Default poll periods (seconds; 0 = every tick of the sampler):
-    memory, power (instant + average + energy counter in one nvmlDeviceGetFieldValues call),
+    memory, power (instant + average + energy counter in one nvmlDeviceGetFieldValues call, see nvml_fields),
     clocks (SM, memory), clock_events: 0
     temperature: 0.1 (whole degrees C of a die whose thermal time constant is seconds: a faster read only
     repeats the same value)
@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from gpumon.nvml_devices import VisibleDevice, describe, load_nvml, visible_devices
+from gpumon.nvml_fields import MISSING_CODES, FieldReader, power_columns
 from gpumon.pollers import Failure, Poller
 
 DEFAULT_PERIODS: dict[str, float | None] = {
@@ -57,15 +58,14 @@ class NVMLBackend:
         for key, value in self.periods.items():
             if value is not None and value < 0:
                 raise ValueError(f"periods[{key!r}] must be >= 0 seconds or None, got {value}")
-        self._value_attrs: dict[int, str] | None = None
         self.nvml: ModuleType = load_nvml()
         self._open = True
         try:
             self.devices = visible_devices(self.nvml)
             self.device_info = [describe(self.nvml, d) for d in self.devices]
             self.pollers: list[Poller] = []
-            for dev in self.devices:
-                self.pollers.extend(self._device_pollers(dev))
+            for dev, info in zip(self.devices, self.device_info, strict=True):
+                self.pollers.extend(self._device_pollers(dev, info))
         except BaseException:
             self.close()
             raise
@@ -81,8 +81,8 @@ class NVMLBackend:
         nvml = self.nvml
         if isinstance(exc, nvml.NVMLError):
             code = getattr(exc, "value", None)
-            if code == nvml.NVML_ERROR_NOT_SUPPORTED:
-                return "unsupported"
+            if code == nvml.NVML_ERROR_NOT_SUPPORTED or code == MISSING_CODES["NVML_ERROR_FUNCTION_NOT_FOUND"]:
+                return "unsupported"  # not on this device, or not in this driver
             if code == nvml.NVML_ERROR_GPU_IS_LOST:
                 return "lost"
         if isinstance(exc, AttributeError):
@@ -101,26 +101,11 @@ class NVMLBackend:
             pass
         return UTILIZATION_FALLBACK_S
 
-    def _device_pollers(self, dev: VisibleDevice) -> list[Poller]:
+    def _device_pollers(self, dev: VisibleDevice, info: dict[str, Any]) -> list[Poller]:
         nvml, h, g = self.nvml, dev.handle, f"gpu{dev.index}"
         period = self.periods
-        # field ids are fixed by nvml.h; older bindings may lack the names (the driver then reports NotSupported)
-        fields = {
-            f"{g}.power_instant_mw": getattr(nvml, "NVML_FI_DEV_POWER_INSTANT", 186),
-            f"{g}.power_average_mw": getattr(nvml, "NVML_FI_DEV_POWER_AVERAGE", 185),
-            f"{g}.energy_mj": getattr(nvml, "NVML_FI_DEV_ENERGY", 191),
-        }
-        wanted = dict(fields)
-        ids = list(wanted.values())  # the request, rebuilt only when a field is dropped
-        decode = self._field_value
-
-        def read_fields() -> list[Any]:
-            by_id = {int(v.fieldId): v for v in nvml.nvmlDeviceGetFieldValues(h, ids)}
-            return [decode(by_id[fid]) if col in wanted else None for col, fid in fields.items()]
-
-        def drop_field(column: str) -> None:
-            wanted.pop(column, None)
-            ids[:] = list(wanted.values())
+        fields = FieldReader(nvml, h, power_columns(nvml, g, info.get("compute_capability")))
+        info["sources"] = fields.sources  # where each power column comes from, for the recording's header
 
         def read_clock_events() -> list[int]:
             getter = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
@@ -164,10 +149,10 @@ class NVMLBackend:
             poller("memory", [f"{g}.memory_used_bytes"], ["B"], lambda: [int(nvml.nvmlDeviceGetMemoryInfo(h).used)]),
             poller(
                 "power",
-                list(fields),
+                fields.columns,
                 ["mW", "mW", "mJ"],
-                read_fields,
-                drop=drop_field,
+                fields.read,
+                drop=fields.drop,
                 counter_columns={f"{g}.energy_mj"},
             ),
             poller(
@@ -196,20 +181,3 @@ class NVMLBackend:
                 blocking=True,
             ),
         ]
-
-    def _field_value(self, fv: Any) -> Any:
-        nvml = self.nvml
-        if int(fv.nvmlReturn) != nvml.NVML_SUCCESS:
-            return nvml.NVMLError(int(fv.nvmlReturn))
-        kind = int(fv.valueType)
-        if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
-            return float(fv.value.dVal)
-        if self._value_attrs is None:  # built once: this runs for every field at every tick
-            self._value_attrs = {
-                nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
-                nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-                nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
-                nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
-                nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-            }
-        return int(getattr(fv.value, self._value_attrs.get(kind, "ullVal")))
