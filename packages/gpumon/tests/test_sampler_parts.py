@@ -1,6 +1,9 @@
 """The sampler's two halves on their own: the reader (what is read when, queued raw) and the processor (what the
 reads become), and the Retirement the second hands back to the first."""
 
+import threading
+import time
+
 import pytest
 
 from gpumon.pollers import Poller
@@ -141,3 +144,20 @@ def test_processor_hands_back_what_to_stop_reading():
     assert summary.metrics["gpu0.memory.v"]["reads"] == 0  # the read queued after the loss is not recorded
     assert summary.metrics["host.v"]["reads"] == 2 and summary.lost == ["gpu0"]
     assert proc.latest([])["host.v"] == 5 and proc.latest([TickReads(0.04, [(2, [6])])])["host.v"] == 6
+
+
+def test_a_blocking_poller_read_at_every_tick_runs_in_its_own_thread():
+    threads = []
+
+    def read():
+        threads.append(threading.current_thread().name)
+        return [len(threads)]
+
+    blocking = Poller("slow", "slow", ["slow.n"], ["count"], 0.0, read, blocking=True)
+    reader = Reader([blocking], rate_hz=200)
+    reader.start(on_batch=lambda: None)
+    deadline = time.monotonic() + 10
+    while len(threads) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reader.stop(timeout=5.0)
+    assert len(threads) >= 5 and set(threads) == {"gpumon-sampler-slow"}

@@ -185,6 +185,11 @@ def two_gpus(**second: Any) -> list[FakeGPU]:
     ]
 
 
+def _wave(bucket: int, low: int, step: int) -> int:
+    # 3 and 7 are coprime: consecutive periods always give different values, as a real refresh would
+    return low + step * ((bucket * 3) % 7)
+
+
 class FakeNVML(types.ModuleType):
     """The fake module. `driver=False` makes nvmlInit raise NVMLError_LibraryNotFound, as on a host without one."""
 
@@ -219,8 +224,7 @@ class FakeNVML(types.ModuleType):
         return math.floor((self.clock() - self.t0) / gpu.refresh[metric])
 
     def _wave(self, gpu: FakeGPU, metric: str, low: int, step: int) -> int:
-        # 3 and 7 are coprime: consecutive periods always give different values, as a real refresh would
-        return low + step * ((self._bucket(gpu, metric) * 3) % 7)
+        return _wave(self._bucket(gpu, metric), low, step)
 
     # -- the pynvml API used by gpumon ----------------------------------------------------------------------
     def nvmlInit(self) -> None:
@@ -270,21 +274,23 @@ class FakeNVML(types.ModuleType):
         gpu = self._gpu(handle)
         if not gpu.field_values:
             raise NVMLError(13)  # the binding's answer when the driver lacks the entry point
-        now_us = int((self.t0_unix + self.clock() - self.t0) * 1e6)
+        elapsed = self.clock() - self.t0
+        now_us = int((self.t0_unix + elapsed) * 1e6)
         for fv in values:
             fv.timestamp = now_us
-            known = FIELDS.get(fv.fieldId) if fv.fieldId not in gpu.unknown_fields else None
+            fid = fv.fieldId
+            known = FIELDS.get(fid) if fid not in gpu.unknown_fields else None
             if known is None or known[0] in gpu.unsupported:
                 fv.nvmlReturn = 3
                 continue
             metric, member = known
-            member = gpu.value_members.get(fv.fieldId, member)
-            if metric == "energy":
-                value: float = self._energy_mj(gpu)
-            else:
-                value = self._wave(gpu, metric, 250_000, 10_000)
+            member = gpu.value_members.get(fid, member)
+            bucket = math.floor(elapsed / gpu.refresh[metric])
+            value = (
+                bucket * gpu.refresh[metric] * POWER_W * 1000 if metric == "energy" else _wave(bucket, 250_000, 10_000)
+            )
             fv.valueType = VALUE_TYPES[member]
-            setattr(fv.value, member, value if member == "dVal" else int(value))
+            setattr(fv.value, member, float(value) if member == "dVal" else int(value))
         return values
 
     def _energy_mj(self, gpu: FakeGPU) -> int:

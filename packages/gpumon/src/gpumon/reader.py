@@ -262,7 +262,8 @@ class Reader:
                 continue
             i = min(due)[1]
             p = self.pollers[i]
-            self._next_due[i] = advance(self._next_due[i], now, p.period_s)
+            # a period of 0 ("every tick") means every tick's period here: this thread has no ticks of its own
+            self._next_due[i] = advance(self._next_due[i], now, p.period_s or self.period)
             started = time.perf_counter()
             self._slow_results.append((i, read_poller(p)))  # queued with the fast thread's next tick
             self._busy_s["slow"] += time.perf_counter() - started
