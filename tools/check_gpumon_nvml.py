@@ -4,7 +4,9 @@ Run on a GPU host (preferably under load, so that the metrics have a reason to c
 
     python tools/check_gpumon_nvml.py [--rate 100] [--seconds 3] [--load]
 
-1. Per-call cost: each metric group's read, `--calls` times back to back on GPU 0 (mean and p99, microseconds).
+1. Per-call cost: each metric group's read, `--calls` times back to back on GPU 0 (mean and p99, microseconds),
+   and the power readings' calls alone: nvmlDeviceGetFieldValues with one and with all three fields gpumon asks
+   for, against the per-metric calls that stand in where a driver lacks the fields.
 2. For each metric group alone, a gpumon Sampler at `--rate` for `--seconds`: the achieved poll rate and the
    fraction of readings that differed from the previous one (fresh). fresh fraction x poll rate = how often NVML
    really refreshed that value; "refreshes at rate" is yes when at least 90% of readings were fresh.
@@ -60,6 +62,28 @@ def call_costs(backend: NVMLBackend, calls: int) -> dict[str, tuple[float, float
     return costs
 
 
+def power_call_costs(backend: NVMLBackend, calls: int) -> dict[str, tuple[float, float]]:
+    nvml, handle = backend.nvml, backend.devices[0].handle
+    fields = [int(f.split()[1]) for f in backend.device_info[0]["sources"].values() if f.startswith("field ")]
+    candidates = {
+        f"nvmlDeviceGetFieldValues {fields[:1]}": lambda: nvml.nvmlDeviceGetFieldValues(handle, fields[:1]),
+        f"nvmlDeviceGetFieldValues {fields}": lambda: nvml.nvmlDeviceGetFieldValues(handle, fields),
+        "nvmlDeviceGetPowerUsage": lambda: nvml.nvmlDeviceGetPowerUsage(handle),
+        "nvmlDeviceGetTotalEnergyConsumption": lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle),
+    }
+    costs = {}
+    for name, call in candidates.items():
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            with contextlib.suppress(Exception):
+                call()
+            times.append(time.perf_counter() - start)
+        times.sort()
+        costs[name] = (sum(times) / len(times) * 1e6, percentile(times, 99) * 1e6)
+    return costs
+
+
 def group_run(group: str, rate: float, seconds: float, out: Path) -> dict[str, dict]:
     backend = NVMLBackend({group: 0.0})  # this group at every tick; the others are not sampled at all
     pollers = [p for p in backend.pollers if p.name.split(".", 1)[1] == group]
@@ -103,6 +127,7 @@ def main() -> int:
         return 2
     info = backend.device_info[0]
     costs = call_costs(backend, args.calls)
+    power_costs = power_call_costs(backend, args.calls)
     backend.close()
     groups = list(DEFAULT_PERIODS)
     load = None
@@ -121,6 +146,12 @@ def main() -> int:
         f"GPU 0: {info['name']} (cc {info['compute_capability']}), {args.rate:g} Hz target, {args.seconds:g} s "
         f"per group, {'under a matmul load' if args.load else 'no load started by this check'}"
     )
+    print(f"power and energy read from: {info.get('sources')}")
+    print()
+    print("| power call | us (mean / p99) |")
+    print("|---|---|")
+    for name, (mean, p99) in power_costs.items():
+        print(f"| {name} | {mean:.1f} / {p99:.1f} |")
     print()
     print("| group | metric | call us (mean / p99) | polls/s | fresh | refreshes/s | refreshes at rate |")
     print("|---|---|---|---|---|---|---|")
