@@ -1,7 +1,11 @@
 """Every way to install, test, lint and benchmark the toolkit.
 
-`nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges,
-each package alone, integration). `nox -s demo` trains the embedded default.
+`nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges and
+install lines, each package alone, integration). `nox -s demo` trains the embedded default.
+
+Sessions name a package by its directory under packages/ (`package(dist='tokbin')`);
+four distributions carry the `lmtools-` prefix because their import names belong to
+other projects on PyPI (each pyproject.toml says which).
 
 Torch is pinned through a constraints file so that no session pulls a CUDA build
 by accident: `tools/constraints-cpu.txt` by default, or the file named by
@@ -11,17 +15,25 @@ by accident: `tools/constraints-cpu.txt` by default, or the file named by
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import nox
-import tomllib
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = os.environ.get("LMTOOLS_CONSTRAINTS", str(ROOT / "tools" / "constraints-cpu.txt"))
+sys.path.insert(0, str(ROOT / "tools"))
+from check_install_docs import install_lines, pyproject, siblings  # noqa: E402 - tools/ is not a package
 
-# Dependency order: a package comes after every sibling it depends on.
+# Directories under packages/, in dependency order: a package comes after every sibling it depends on.
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
+# The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
+TEST_EXTRAS = {"gpumon": ["plot"], "trainloop": ["deepspeed", "plot", "tensorboard"]}
+# Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
+FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
@@ -37,24 +49,28 @@ TEST_ENV = {
     "PYTHONHASHSEED": "0",
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
 }
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "packaging>=23"]
 
 
-def _pyproject(dist: str) -> dict:
-    return tomllib.loads((PACKAGES_DIR / dist / "pyproject.toml").read_text())
+def _path(pkg: str, extras: list[str] | None = None) -> str:
+    """``packages/<pkg>`` with ``[extra,...]`` when extras are given: what pip takes."""
+    return str(PACKAGES_DIR / pkg) + (f"[{','.join(extras)}]" if extras else "")
 
 
-def _siblings(dist: str, seen: set[str] | None = None) -> list[str]:
-    """The sibling distributions `dist` depends on, transitively, in install order."""
-    seen = set() if seen is None else seen
-    for req in _pyproject(dist)["project"].get("dependencies", []):
-        name = req.split(";")[0].split("[")[0]
-        for op in "<>=!~ ":
-            name = name.split(op)[0]
-        if name in PACKAGES and name not in seen:
-            seen.add(name)
-            _siblings(name, seen)
-    return [p for p in PACKAGES if p in seen]
+def _with_siblings(pkg: str, extras: list[str] | None = None) -> list[str]:
+    """The directories of `pkg` (with its extras) and of every sibling it needs, in install order."""
+    needed = siblings(pkg, frozenset(extras or []))
+    return [_path(p, extras if p == pkg else None) for p in PACKAGES if p in needed or p == pkg]
+
+
+def _documented_install(session: nox.Session, readme: Path) -> None:
+    """Run the first `pip install packages/...` line of `readme` exactly as written (from the repository root)."""
+    lines = install_lines(readme)
+    if not lines:
+        session.error(f"{readme.relative_to(ROOT)} has no `pip install packages/...` line in a code block")
+    session.log(f"{readme.relative_to(ROOT)}: pip install {shlex.join(lines[0])}")
+    session.chdir(ROOT)
+    session.run("python", "-m", "pip", "install", *lines[0])
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
@@ -72,18 +88,21 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.11", tags=["ci"])
 def version_ranges(session: nox.Session) -> None:
-    """Check that every sibling version range admits the sibling's current version."""
+    """Every sibling version range admits the sibling's current version; every documented `pip install packages/...`
+    line names the directories of all the siblings it needs and only extras that exist."""
     session.install("packaging>=23")
     session.run("python", "tools/check_version_ranges.py")
+    session.run("python", "tools/check_install_docs.py")
 
 
 @nox.session(python="3.11", tags=["ci"])
 @nox.parametrize("dist", PACKAGES)
 def package(session: nox.Session, dist: str) -> None:
-    """One package installed alone (non-editable, plus the siblings it declares); its own tests."""
-    local = [str(PACKAGES_DIR / s) for s in _siblings(dist)]
-    session.install("--force-reinstall", "--no-deps", str(PACKAGES_DIR / dist), *local)
-    session.install(str(PACKAGES_DIR / dist), *local, *TEST_TOOLS)
+    """One package installed alone by its README's install line (plus the extras its tests use); its own tests."""
+    # A reused venv already holds this version: reinstall so that it gets today's code.
+    session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
+    _documented_install(session, PACKAGES_DIR / dist / "README.md")
+    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS)
     session.chdir(PACKAGES_DIR / dist)
     _pytest(session, "tests")
 
@@ -91,38 +110,59 @@ def package(session: nox.Session, dist: str) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """Every package installed editable in one venv; all unit tests (the fast inner loop)."""
-    editable = [arg for p in PACKAGES for arg in ("-e", str(PACKAGES_DIR / p))]
+    editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
     for dist in PACKAGES:
         session.chdir(PACKAGES_DIR / dist)
         _pytest(session, "tests")
 
 
-@nox.session(python="3.11", tags=["ci"])
+@nox.session(python="3.11", tags=["ci"], reuse_venv=False)
 def integration(session: nox.Session) -> None:
-    """Build wheels of all six packages, install them, run integration_tests/."""
-    wheels = Path(session.create_tmp()) / "wheels"
-    session.run(
-        "python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), *[str(PACKAGES_DIR / p) for p in PACKAGES]
-    )
-    built = sorted(str(w) for w in wheels.glob("*.whl"))
-    session.install("--force-reinstall", "--no-deps", *built)
-    session.install(*built, *TEST_TOOLS)
-    session.chdir(ROOT)
+    """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
+    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed)."""
+    _documented_install(session, ROOT / "README.md")
+    listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
+    if foreign:
+        session.error(f"an unrelated project's distribution got installed: {', '.join(foreign)}")
+    session.run("python", "-c", "import alibi_kernels, gpumon, lmcore, lmtrain, tokbin, trainloop")
+    session.run("lmtrain", "--help", silent=True)
+    # The two-rank tests need DeepSpeed whether or not the README's line asks for it (then this is a no-op).
+    session.install(*_with_siblings("lmtrain", ["deepspeed"]), *TEST_TOOLS)
     _pytest(session, "integration_tests")
 
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU."""
-    session.install(*[str(PACKAGES_DIR / p) for p in PACKAGES])
+    session.install(*_with_siblings("lmtrain"))
     session.run("lmtrain", "demo", *session.posargs)
+
+
+@nox.session(python="3.11")
+def deepspeed_lower_bound(session: nox.Session) -> None:
+    """trainloop's DeepSpeed tests on the oldest DeepSpeed its `deepspeed` extra admits (built from its sdist: minutes).
+
+    Not in CI: CI tests the pinned version (tools/constraints-cpu.txt), this the lower bound of the declared range.
+    """
+    req = next(Requirement(r) for r in pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"])
+    lower = next(s.version for s in req.specifier if s.operator == ">=")
+    # The shared constraints pin DeepSpeed to the tested release: use them without that line.
+    constraints = Path(session.create_tmp()) / "constraints-without-deepspeed.txt"
+    kept = [ln for ln in Path(CONSTRAINTS).read_text().splitlines() if not ln.strip().startswith("deepspeed")]
+    constraints.write_text("\n".join(kept) + "\n")
+    env = {"PIP_CONSTRAINT": str(constraints)}
+    session.install("--force-reinstall", "--no-deps", _path("trainloop"), env=env)
+    session.install(_path("trainloop", TEST_EXTRAS["trainloop"]), f"deepspeed=={lower}", *TEST_TOOLS, env=env)
+    session.chdir(PACKAGES_DIR / "trainloop")
+    _pytest(session, "tests/test_deepspeed.py", "tests/test_extras.py")
 
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Run every package benchmark and the headline TinyShakespeare benchmark; print their tables."""
-    session.install(*[str(PACKAGES_DIR / p) for p in PACKAGES], "tokenizers")
+    session.install(*_with_siblings("lmtrain", ["deepspeed"]), "tokenizers")
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py"))
     if not session.posargs or "shakespeare" in session.posargs:
         scripts.append(ROOT / "tools" / "bench_shakespeare.py")

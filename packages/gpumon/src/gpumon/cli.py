@@ -190,11 +190,11 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from gpumon.plotting import plot_recording  # matplotlib only for this command
+    from gpumon.plotting import MissingExtraError, plot_recording  # matplotlib only for this command
 
     try:
         path = plot_recording(args.file, args.out)
-    except RecordingError as exc:
+    except (RecordingError, MissingExtraError) as exc:
         _err(str(exc))
         return 2
     print(f"gpumon: wrote {path}")

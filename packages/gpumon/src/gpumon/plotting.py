@@ -1,4 +1,8 @@
-"""`gpumon plot`: timelines of a recording, one panel per metric kind and one line per GPU, with the marks."""
+"""`gpumon plot`: timelines of a recording, one panel per metric kind and one line per GPU, with the marks.
+
+matplotlib is the ``plot`` extra (``pip install 'lmtools-gpumon[plot]'``). The figure is drawn on its own Agg canvas:
+no pyplot, no ``matplotlib.use``, so plotting never changes the backend of the program that calls it.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,13 @@ MAX_POINTS = 20_000  # per line; longer series keep each bucket's maximum so tha
 MAX_MARK_LINES = 200
 
 
+PLOT_INSTALL = "pip install 'lmtools-gpumon[plot]'"  # the distribution name: `gpumon` is another project's on PyPI
+
+
+class MissingExtraError(ImportError):
+    """matplotlib is not installed; the message is the ``pip install`` line that adds it."""
+
+
 def _decimate(times: list[float], values: list[float]) -> tuple[list[float], list[float]]:
     n = len(values)
     if n <= MAX_POINTS:
@@ -39,15 +50,20 @@ def _decimate(times: list[float], values: list[float]) -> tuple[list[float], lis
 
 
 def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Write a PNG of the recording's timelines (matplotlib, Agg backend: no display needed).
+    """Write a PNG of the recording's timelines (matplotlib's Agg canvas: no display needed).
+
+    Raises :class:`MissingExtraError` without matplotlib, :class:`~gpumon.recording.RecordingError` for a bad file.
 
     Example:
         >>> plot_recording("run/gpu.csv", "run/gpu.png")
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("matplotlib"):
+            raise
+        raise MissingExtraError(f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL}") from exc
 
     rec = Recording(path)
     panels = []
@@ -59,8 +75,9 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     panels = [(t, [c for c in cols if series[c][0]], s) for t, cols, s in panels]
     panels = [p for p in panels if p[1]]
     marks = rec.marks()
-    fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(11, 2.2 * max(1, len(panels))), sharex=True,
-                             squeeze=False)  # fmt: skip
+    fig = Figure(figsize=(11, 2.2 * max(1, len(panels))))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(1, len(panels)), 1, sharex=True, squeeze=False)
     names = sorted({label for _, label, _ in marks})
     colors = {name: f"C{(i + 3) % 10}" for i, name in enumerate(names)}
     stride = max(1, -(-len(marks) // MAX_MARK_LINES))
@@ -86,5 +103,4 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out

@@ -137,9 +137,7 @@ class MetricsLogger:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
-        scalars = {
-            k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
-        }
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, record["step"])

@@ -1,0 +1,34 @@
+"""The ``hf`` extra (transformers, peft) for export to Hugging Face formats: import it or fail in one line."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+DIST = "lmtools-lmcore"  # the distribution name (the import name `lmcore` is another project's on PyPI)
+HF_MODULES = ("transformers", "peft")
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed; the message is the ``pip install`` line that adds it."""
+
+
+def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
+    """Import ``transformers`` or ``peft`` (or one of their submodules) for ``purpose``, or raise
+    :class:`MissingExtraError`: ``<purpose> needs transformers, which is not installed: pip install '<dist>[hf]'``.
+
+    ``dist`` names the distribution whose ``hf`` extra the message tells to install (the app passes ``"lmtrain"``).
+    An installed library that fails on one of its own imports keeps its original error.
+
+    Example:
+        >>> transformers = import_hf("transformers", "export_hf")  # doctest: +SKIP
+    """
+    top = module.split(".")[0]
+    if top not in HF_MODULES:
+        raise ValueError(f"import_hf({module!r}): the hf extra provides {', '.join(HF_MODULES)} only")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or (exc.name != module and not module.startswith(exc.name + ".")):
+            raise
+        raise MissingExtraError(f"{purpose} needs {top}, which is not installed: pip install '{dist}[hf]'") from exc

@@ -1,0 +1,39 @@
+"""The `hf` extra: a missing transformers or peft is one line naming the extra; other import errors stay as they are."""
+
+import sys
+
+import pytest
+
+from lmcore.extras import MissingExtraError, import_hf
+
+
+@pytest.mark.parametrize("module", ["transformers", "peft", "transformers.models.mpt"])
+def test_missing_hf_library_is_one_line_naming_the_extra(module, monkeypatch):
+    top = module.split(".")[0]
+    monkeypatch.setitem(sys.modules, top, None)
+    with pytest.raises(MissingExtraError) as err:
+        import_hf(module, "export_hf")
+    assert str(err.value) == f"export_hf needs {top}, which is not installed: pip install 'lmtools-lmcore[hf]'"
+
+
+def test_the_app_names_its_own_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingExtraError, match=r"^lmtrain export needs transformers, .*'lmtrain\[hf\]'$"):
+        import_hf("transformers", "lmtrain export", dist="lmtrain")
+
+
+def test_an_installed_library_missing_its_own_dependency_keeps_that_error(monkeypatch, tmp_path):
+    # A stand-in `peft` whose own import fails: the message must name the real cause, not the extra.
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "__init__.py").write_text("import lmcore_test_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "peft", raising=False)
+    with pytest.raises(ModuleNotFoundError) as err:
+        import_hf("peft", "export_hf")
+    assert not isinstance(err.value, MissingExtraError)
+    assert err.value.name == "lmcore_test_absent_dependency"
+
+
+def test_only_the_hf_libraries_are_accepted():
+    with pytest.raises(ValueError, match="provides transformers, peft only"):
+        import_hf("torch", "export_hf")
