@@ -4,9 +4,9 @@ import lmcore
 
 
 def test_version_matches_distribution_metadata():
-    assert lmcore.__version__ == importlib.metadata.version("lmcore")
+    assert lmcore.__version__ == importlib.metadata.version("lmtools-lmcore")
 
 
 def test_declared_dependencies_name_no_path():
-    requires = importlib.metadata.requires("lmcore") or []
+    requires = importlib.metadata.requires("lmtools-lmcore") or []
     assert all("@" not in r and "file:" not in r for r in requires), requires

@@ -4,9 +4,9 @@ import tokbin
 
 
 def test_version_matches_distribution_metadata():
-    assert tokbin.__version__ == importlib.metadata.version("tokbin")
+    assert tokbin.__version__ == importlib.metadata.version("lmtools-tokbin")
 
 
 def test_declared_dependencies_name_no_path():
-    requires = importlib.metadata.requires("tokbin") or []
+    requires = importlib.metadata.requires("lmtools-tokbin") or []
     assert all("@" not in r and "file:" not in r for r in requires), requires
