@@ -1,8 +1,11 @@
 """The `gpumon` command in a subprocess, where there really is no NVIDIA driver."""
 
 import importlib.metadata
+import os
+import pty
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 from nvml_driver import driver_present
@@ -29,10 +32,51 @@ def test_watch_without_driver_prints_one_line_and_exits_2():
     assert len(lines) == 1 and "--host" in lines[0] and "driver" in lines[0]
 
 
-def test_watch_host_draws_the_table():
-    result = gpumon("watch", "--host", "--iterations", "2", "--refresh", "0.1")
+def test_watch_into_a_log_prints_timestamped_lines():
+    result = gpumon("watch", "--host", "--iterations", "2", "--refresh", "0.1")  # stdout is a pipe here
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("gpumon watch") == 2 and "tree_rss" in result.stdout and "GiB" in result.stdout
+    assert "\x1b" not in result.stdout and "\r" not in result.stdout
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4  # per refresh: the host, then the sampler
+    for line in lines:
+        datetime.fromisoformat(line.split(" ", 1)[0])  # each line starts with its time
+    assert [line.split()[1] for line in lines] == ["host", "gpumon", "host", "gpumon"]
+    assert "tree_rss=" in lines[0] and "GiB" in lines[0] and "rate=" in lines[1]
+
+
+def watch_on_a_terminal(*flags, env=None):
+    """`gpumon watch --host` with stdout on a pseudo-terminal; what it wrote there."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, **(env or {})}
+    args = [sys.executable, "-m", "gpumon", "watch", "--host", "--iterations", "2", "--refresh", "0.1", *flags]
+    proc = subprocess.Popen(args, stdout=follower, stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal is closed once the command has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "live"),
+    [
+        ((), {"TQDM_DISABLE": ""}, True),
+        (("--no-progress",), {"TQDM_DISABLE": ""}, False),
+        ((), {"TQDM_DISABLE": "1"}, False),
+    ],
+)
+def test_watch_redraws_in_place_only_on_a_terminal_that_asks_for_it(flags, env, live):
+    shown = watch_on_a_terminal(*flags, env=env)
+    assert ("\x1b[H\x1b[2J" in shown) is live
+    assert shown.count("gpumon watch") == (2 if live else 0) and "tree_rss" in shown
 
 
 @needs_no_driver

@@ -1,40 +1,92 @@
 """The `gpumon` command: watch, record, summary, plot.
 
-Exit codes: 0 success; 2 for a usage problem, a missing driver (`watch` without `--host`) or an unreadable file;
-`record -- CMD` exits with CMD's own code (128 + N when a signal N ended it, 127 when it could not start).
+Exit codes: 0 success; 2 for a usage problem, a missing driver (`watch` without `--host`) or an unreadable file,
+with one line `gpumon <command>: error: ...` on stderr; `record -- CMD` exits with CMD's own code (128 + N when a
+signal N ended it, 127 when it could not start).
+
+`watch` redraws its table in place on a terminal; where stdout is not one (a log), with `--no-progress` or with
+TQDM_DISABLE=1, it prints plain timestamped lines instead, one per GPU (or host) per refresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gpumon.monitor import Monitor
 from gpumon.nvml_devices import NVMLUnavailable
-from gpumon.recording import RecordingError
+from gpumon.recording import Recording, RecordingError, recording_path
 from gpumon.reports import DISPLAY, summarize_recording
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `gpumon record: error: argument --rate: ...` and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(what: str, low: float, high: float, *, low_open: bool = True, integer: bool = False) -> Any:
+    """An argparse type: a finite number in (low, high] (or [low, high]), with the range in its error."""
+    left = "(" if low_open else "["
+    expected = f"{'a whole number' if integer else 'a number'} in {left}{low:g}, {high:.15g}] {what}".rstrip()
+
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+        if not (low < value <= high if low_open else low <= value <= high):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+RATE = _number("Hz", 0, 10_000)
+SECONDS = _number("seconds", 0, 86_400)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpumon", description="100 Hz GPU monitoring through NVML.")
+    parser = _Parser(prog="gpumon", description="100 Hz GPU monitoring through NVML.")
     sub = parser.add_subparsers(dest="command", required=True)
     watch = sub.add_parser("watch", help="live table of every GPU (or of the host with --host)")
-    watch.add_argument("--rate", type=float, default=100.0, help="sampling rate in Hz (default 100)")
-    watch.add_argument("--refresh", type=float, default=0.5, help="seconds between table redraws (default 0.5)")
+    watch.add_argument("--rate", type=RATE, default=100.0, help="sampling rate in Hz (default 100)")
+    watch.add_argument("--refresh", type=SECONDS, default=0.5, help="seconds between table redraws (default 0.5)")
     watch.add_argument("--host", action="store_true", help="watch CPU and memory instead of GPUs")
-    watch.add_argument("--iterations", type=int, default=None, help="redraw this many times, then exit")
+    watch.add_argument(
+        "--iterations", type=_number("", 0, 10**9, integer=True), help="redraw this many times, then exit"
+    )
+    watch.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="print timestamped lines instead of redrawing the table in place (the default when stdout is not a "
+        "terminal or TQDM_DISABLE=1)",
+    )
     record = sub.add_parser("record", help="record to a file while CMD runs (after --) or until Ctrl-C")
-    record.add_argument("-o", "--out", required=True, help="CSV file to write")
-    record.add_argument("--rate", type=float, default=100.0, help="sampling rate in Hz (default 100)")
+    where = record.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--out", help="CSV file to write")
+    where.add_argument(
+        "--dir",
+        help="write DIR/gpumon.<host>.csv, numbered (gpumon.<host>.1.csv, ...) when an earlier run left that file: "
+        "one file per node and per restart on a shared filesystem",
+    )
+    record.add_argument("--rate", type=RATE, default=100.0, help="sampling rate in Hz (default 100)")
     record.add_argument("--host", action="store_true", help="record the host only, even where GPUs exist")
-    record.add_argument("--duration", type=float, default=None, help="without CMD: stop after this many seconds")
+    duration = _number("seconds", 0, 10**9, low_open=False)
+    record.add_argument("--duration", type=duration, help="without CMD: stop after this many seconds")
+    exists = record.add_mutually_exclusive_group()
+    exists.add_argument("--overwrite", action="store_true", help="replace the recording in --out if there is one")
+    exists.add_argument("--append", action="store_true", help="add this run to the recording in --out")
     summary = sub.add_parser("summary", help="summarise a recorded file")
     summary.add_argument("file")
     summary.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -44,15 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _err(message: str) -> None:
-    print(f"gpumon: {message}", file=sys.stderr)
+def _fail(command: str, message: str) -> int:
+    print(f"gpumon {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
-def _rate_ok(rate: float) -> bool:
-    if 0 < rate <= 10_000:
-        return True
-    _err(f"--rate must be in (0, 10000] Hz, got {rate}")
-    return False
+def _warn(message: str) -> None:
+    print(f"gpumon: warning: {message}", file=sys.stderr)
+
+
+def _progress_allowed() -> bool:
+    """False where TQDM_DISABLE asks for no progress displays (any value but empty, 0, false or no)."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() in ("", "0", "false", "no")
 
 
 UNIT_SUFFIXES = ("_bytes", "_mw", "_mj", "_mhz", "_pct", "_kbps", "_c")
@@ -91,26 +146,38 @@ def render_table(latest: dict[str, Any], units: dict[str, str]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
+def render_lines(latest: dict[str, Any], units: dict[str, str], status: dict[str, Any], stamp: str) -> list[str]:
+    """For logs: one line per GPU (or host) and one for the sampler, each starting with `stamp`."""
+    groups: dict[str, list[str]] = {}
+    for column, value in latest.items():
+        group, metric = column.split(".", 1)
+        if metric in SKIPPED_IN_WATCH:
+            continue
+        name, unit = _header(metric, units.get(column, ""))
+        groups.setdefault(group, []).append(f"{name}={_format(value, units.get(column, ''))}{unit}")
+    lines = [f"{stamp} {group} {' '.join(cells)}" for group, cells in groups.items()]
+    lines.append(f"{stamp} gpumon rate={status['achieved_rate_hz']:.0f}Hz errors={status['errors']}")
+    return lines
+
+
 def cmd_watch(args: argparse.Namespace) -> int:
-    if not _rate_ok(args.rate):
-        return 2
     try:
         mon = Monitor(rate_hz=args.rate, backend="host" if args.host else "nvml").start()
     except NVMLUnavailable as exc:
-        _err(f"cannot watch GPUs: {exc}. Use `gpumon watch --host` to watch CPU and memory instead.")
-        return 2
-    clear = sys.stdout.isatty()
+        return _fail("watch", f"cannot watch GPUs: {exc}. Use `gpumon watch --host` to watch CPU and memory instead")
+    # redrawing in place only on a terminal: in a log, cursor codes are noise and each redraw would be lost
+    live = sys.stdout.isatty() and not args.no_progress and _progress_allowed()
     shown = 0
     try:
         while args.iterations is None or shown < args.iterations:
             time.sleep(args.refresh)
-            frame = render_table(mon.latest(), mon.units)
-            status = mon.status()
-            head = (
-                f"gpumon watch  {time.strftime('%H:%M:%S')}  {status['achieved_rate_hz']:.0f} Hz  "
-                f"errors {status['errors']}"
-            )
-            print(("\x1b[H\x1b[2J" if clear else "") + head + "\n" + frame, flush=True)
+            latest, status = mon.latest(), mon.status()
+            if live:
+                head = f"gpumon watch  {time.strftime('%H:%M:%S')}  {status['achieved_rate_hz']:.0f} Hz  "
+                print(f"\x1b[H\x1b[2J{head}errors {status['errors']}\n{render_table(latest, mon.units)}", flush=True)
+            else:
+                stamp = datetime.now().isoformat(timespec="milliseconds")
+                print("\n".join(render_lines(latest, mon.units, status, stamp)), flush=True)
             shown += 1
     except KeyboardInterrupt:
         pass
@@ -123,33 +190,74 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # killed by signal N: the shell's 128 + N
 
 
-def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
-    if not _rate_ok(args.rate):
-        return 2
+def _file_in_the_way(directory: Path) -> Path | None:
+    """The nearest of `directory` and its parents that exists, when it is not a directory (mkdir would fail)."""
+    for path in (directory, *directory.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
+def _record_path(args: argparse.Namespace) -> Path | str:
+    """The file `record` writes, checked before anything starts; a string is the error to report."""
+    directory = Path(args.out).parent if args.dir is None else Path(args.dir)
+    blocker = _file_in_the_way(directory)
+    if blocker is not None:
+        return f"cannot write there: {blocker} is a file, not a directory"
+    if args.dir is not None:
+        try:
+            return recording_path(args.dir)
+        except OSError as exc:
+            return f"cannot create a recording in --dir {args.dir}: {exc.strerror or exc}"
     out = Path(args.out)
+    if out.is_dir():
+        return f"-o {out} is a directory; give a file name, or use --dir {out} for a per-host file in it"
+    if out.is_file() and out.stat().st_size > 0:
+        if not (args.append or args.overwrite):
+            return f"-o {out} exists already; pass --append or --overwrite, or use --dir for a new per-host file"
+        if args.append:
+            try:
+                Recording(out)
+            except RecordingError as exc:
+                return f"cannot --append: {exc}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.open("w").close()
+        with open(out, "a"):  # writable, and nothing truncated yet
+            pass
     except OSError as exc:
-        _err(f"cannot write {out}: {exc}")
-        return 2
+        return f"cannot write -o {out}: {exc.strerror or exc}"
+    return out
+
+
+def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
+    if command and args.duration is not None:
+        return _fail("record", "--duration applies without a command; with -- CMD the recording lasts as CMD does")
+    if args.dir is not None and (args.append or args.overwrite):
+        return _fail("record", "--append and --overwrite apply to -o FILE; --dir always writes a new file")
+    out = _record_path(args)
+    if isinstance(out, str):
+        return _fail("record", out)
+    if_exists = "append" if args.append else "overwrite" if args.overwrite else "error"
     child = None
     if command:
         try:
             child = subprocess.Popen(command)
         except OSError as exc:
-            _err(f"cannot run {command[0]!r}: {exc}")
+            print(f"gpumon record: error: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr)
             return 127
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mon = Monitor(args.rate, out, "host" if args.host else "auto", pid=None if child is None else child.pid)
+        pid = None if child is None else child.pid
+        mon: Monitor | None = Monitor(args.rate, out, "host" if args.host else "auto", pid=pid, if_exists=if_exists)
         try:
             mon.start()
         except Exception as exc:  # the command must still run to completion and keep its exit code
-            _err(f"warning: not recording ({type(exc).__name__}: {exc})")
+            if child is None:
+                return _fail("record", f"cannot record to {out}: {exc}")
+            _warn(f"not recording ({type(exc).__name__}: {exc})")
             mon = None
     for w in caught:
-        _err(f"warning: {str(w.message).removeprefix('gpumon: ')}")
+        _warn(str(w.message).removeprefix("gpumon: "))
 
     def on_terminate(signum: int, frame: Any) -> None:
         # a scheduler's SIGTERM: pass it on, then finish the file and the summary as for Ctrl-C
@@ -175,7 +283,7 @@ def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
             mon.stop()
     if mon is not None:
         print(mon.summary(), file=sys.stderr)
-        _err(f"recorded to {out}")
+        print(f"gpumon: recorded to {out}", file=sys.stderr)
     return code
 
 
@@ -183,8 +291,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
     try:
         summary = summarize_recording(args.file)
     except RecordingError as exc:
-        _err(str(exc))
-        return 2
+        return _fail("summary", str(exc))
     print(json.dumps(summary.to_dict(), indent=1, default=str) if args.json else summary)
     return 0
 
@@ -192,11 +299,17 @@ def cmd_summary(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from gpumon.plotting import MissingExtraError, plot_recording  # matplotlib only for this command
 
+    if Path(args.out).is_dir():
+        return _fail("plot", f"-o {args.out} is a directory; give the PNG file to write")
     try:
+        Recording(args.file)  # the file's problems first, whether or not matplotlib is installed
         path = plot_recording(args.file, args.out)
     except (RecordingError, MissingExtraError) as exc:
-        _err(str(exc))
-        return 2
+        return _fail("plot", str(exc))
+    except OSError as exc:
+        return _fail("plot", f"cannot write -o {args.out}: {exc.strerror or exc}")
+    except ValueError as exc:  # matplotlib: an output format it does not know
+        return _fail("plot", f"cannot write -o {args.out}: {exc}")
     print(f"gpumon: wrote {path}")
     return 0
 
@@ -210,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1 :]
     args = _parser().parse_args(argv)
     if command and args.command != "record":
-        _err(f"only `record` runs a command after --; got {args.command}")
-        return 2
+        return _fail(args.command, "only `record` runs a command after --")
     if args.command == "watch":
         return cmd_watch(args)
     if args.command == "record":
