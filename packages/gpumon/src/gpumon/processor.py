@@ -78,7 +78,8 @@ class Processor:
         self.builder.marks += len(marks)
         dropped: dict[int, list[str]] = {}
         retired, lost = len(self._retired), len(self._lost)
-        writer, add_tick, blank = self.writer, self.builder.add_tick, self._blank
+        writer, add_tick, blank, record = self.writer, self.builder.add_tick, self._blank, self._record
+        retired_pollers, lost_groups, pollers = self._retired, self._lost, self.pollers  # updated in place
         rows: list[str] = []
         m = 0
         for tick in ticks:
@@ -92,9 +93,9 @@ class Processor:
                 m += 1
             cells = blank.copy()
             for i, values in tick.reads:
-                if i in self._retired or (self._lost and self.pollers[i].group in self._lost):
+                if i in retired_pollers or (lost_groups and pollers[i].group in lost_groups):
                     continue  # dropped at an earlier tick of this batch, or read before the reader heard of it
-                self._record(i, values, t, cells, tick_events, dropped)
+                record(i, values, t, cells, tick_events, dropped)
             add_tick(t)
             if writer is not None:
                 rows.extend(writer.event_line(*e) for e in tick_events)
@@ -112,7 +113,7 @@ class Processor:
         for (column, j, stats), value in zip(self._plan[i], values, strict=True):
             if gone and column in gone:
                 continue
-            if value == last[j] and not isinstance(value, BaseException):
+            if value == last[j]:  # never an exception: last[] holds values only
                 cells[j] = STALE
                 stats.add_stale(t, value)
             elif isinstance(value, BaseException):

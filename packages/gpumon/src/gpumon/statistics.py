@@ -27,24 +27,52 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 class Reservoir:
-    """Uniform sample of at most `capacity` values (Vitter's algorithm R), seeded for reproducible summaries."""
+    """Uniform sample of at most `capacity` values, seeded for reproducible summaries.
 
-    __slots__ = ("values", "seen", "capacity", "_rng")
+    Once full, the gap to the next value that replaces one is drawn directly (Li's algorithm L, ACM TOMS 20(4),
+    1994) rather than a random number per value as in algorithm R: a value that is not taken, or a whole run of
+    equal values (a metric read again unchanged), costs a comparison.
+    """
+
+    __slots__ = ("values", "seen", "capacity", "_rng", "_log_w", "_next")
 
     def __init__(self, capacity: int = RESERVOIR_SIZE) -> None:
         self.values = array("d")
         self.seen = 0
         self.capacity = capacity
         self._rng = random.Random(0)
+        self._log_w = 0.0  # log of algorithm L's W, kept in logs so that W never rounds to 1
+        self._next = 0  # the 1-based position of the next value to take once full
 
     def add(self, v: float) -> None:
-        self.seen += 1
-        if len(self.values) < self.capacity:
-            self.values.append(v)
-        else:
-            j = self._rng.randrange(self.seen)
-            if j < self.capacity:
-                self.values[j] = v
+        self.add_many(v, 1)
+
+    def add_many(self, v: float, count: int) -> None:
+        """`count` values equal to `v`, as if added one by one."""
+        free = self.capacity - len(self.values)
+        if free > 0:
+            taken = min(count, free)
+            self.values.extend(array("d", (v,)) * taken)
+            self.seen += taken
+            count -= taken
+            if len(self.values) < self.capacity:
+                return
+            if self._next == 0:
+                self._log_w = self._log_u() / self.capacity
+                self._next = self.seen + self._gap()
+        end = self.seen + count
+        while self._next <= end:
+            self.values[self._rng.randrange(self.capacity)] = v
+            self._log_w += self._log_u() / self.capacity
+            self._next += self._gap()
+        self.seen = end
+
+    def _log_u(self) -> float:
+        return math.log(max(self._rng.random(), 1e-300))  # log of a uniform (0, 1) draw
+
+    def _gap(self) -> int:
+        # values skipped before the next one is taken, plus one: floor(log(u) / log(1 - W)) + 1
+        return math.floor(self._log_u() / math.log(-math.expm1(self._log_w))) + 1
 
     @property
     def exact(self) -> bool:
@@ -76,6 +104,7 @@ class MetricStats:
         "reservoir",
         "last",
         "tail_t",
+        "repeats",
     )
 
     def __init__(self, unit: str, counter: bool = False, capacity: int = RESERVOIR_SIZE) -> None:
@@ -86,8 +115,11 @@ class MetricStats:
         self.weighted = self.span = self.increase = 0.0
         self.tail_t = -math.inf
         self.reservoir = Reservoir(capacity)
+        self.repeats = 0  # stale readings of prev_v not yet in the reservoir
 
     def add(self, t: float, v: Any, fresh: bool) -> None:
+        if self.repeats:
+            self.settle()
         self.reads += 1
         self.fresh += fresh
         self.last = v
@@ -110,11 +142,18 @@ class MetricStats:
         self.reservoir.add(float(v))
 
     def add_stale(self, t: float, v: Any) -> None:
-        """The same value read again: cheaper than add(); the held value's integral is settled at the next add()."""
+        """The same value (`v`, equal to the last one added) read again: counted now, put into the reservoir and
+        the integral at the next add() or settle(), all repeats at once."""
         self.reads += 1
         self.tail_t = t
         if self.prev_t is not None:
-            self.reservoir.add(float(v))
+            self.repeats += 1
+
+    def settle(self) -> None:
+        """Put the pending repeats of the held value into the reservoir (before reading percentiles)."""
+        if self.repeats:
+            self.reservoir.add_many(float(self.prev_v), self.repeats)
+            self.repeats = 0
 
     def integral(self) -> tuple[float, float]:
         """(integral of the held value over time, time covered), up to the last reading, stale ones included."""
@@ -123,6 +162,7 @@ class MetricStats:
         return self.weighted + self.prev_v * (self.tail_t - self.prev_t), self.span + self.tail_t - self.prev_t
 
     def as_dict(self) -> dict[str, Any]:
+        self.settle()
         out: dict[str, Any] = {"unit": self.unit, "reads": self.reads, "errors": self.errors, "last": self.last}
         out["fresh_fraction"] = self.fresh / self.reads if self.reads else None
         if self.peak is None:
@@ -232,6 +272,8 @@ class SummaryBuilder:
                 self.lost.append(group)
 
     def finish(self, busy_s: float | None = None, cpu_s: float | None = None) -> Summary:
+        for m in self.metrics.values():
+            m.settle()
         duration = self.duration_s
         metrics = {c: m.as_dict() for c, m in self.metrics.items() if m.reads or m.errors}
         energy, from_power = {}, {}
