@@ -92,3 +92,31 @@ def test_builder_rates_missed_ticks_and_interval_errors():
 )
 def test_next_tick_stays_on_the_absolute_grid(k, elapsed, expected):
     assert next_tick_index(k, elapsed, 0.01) == expected
+
+
+def test_runs_of_equal_values_enter_the_reservoir_as_if_added_one_by_one():
+    one_by_one, runs = Reservoir(capacity=1000), Reservoir(capacity=1000)
+    for v, count in [(1.0, 300), (2.0, 200)]:
+        for _ in range(count):
+            one_by_one.add(v)
+        runs.add_many(v, count)
+    assert list(runs.values) == list(one_by_one.values) and runs.seen == 500 and runs.exact
+    # past capacity the sample stays uniform: half the values were 3.0, so about half the sample is
+    full = Reservoir(capacity=200)
+    full.add_many(3.0, 20_000)
+    full.add_many(4.0, 20_000)
+    share = sum(v == 4.0 for v in full.values) / 200
+    assert len(full.values) == 200 and full.seen == 40_000 and not full.exact
+    assert 0.35 < share < 0.65  # binomial(200, 0.5): 4.2 standard deviations either side
+
+
+def test_stale_readings_weigh_in_the_percentiles_as_readings():
+    m = MetricStats("W")
+    m.add(0.0, 1.0, True)
+    for k in range(1, 4):  # read again, unchanged, three times
+        m.add_stale(k * 0.01, 1.0)
+    m.add(0.04, 5.0, True)
+    m.add_stale(0.05, 5.0)
+    d = m.as_dict()
+    assert d["reads"] == 6 and d["p50"] == 1.0 and d["p95"] == pytest.approx(5.0)
+    assert m.reservoir.seen == 6
