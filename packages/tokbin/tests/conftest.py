@@ -1,12 +1,14 @@
+"""Shared fixtures. All text is generated from this Python's standard-library source, so the tests need nothing
+outside the repository."""
+
+import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
-DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-SHAKESPEARE = DATA / "tinyshakespeare" / "input.txt"
-WIKITEXT = DATA / "wikitext-2" / "valid.txt"
 SPECIAL = ["<|user|>", "<|assistant|>", "<|end|>"]
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,29 +20,41 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _need(path: Path) -> Path:
-    if not path.is_file():
-        pytest.skip(f"test data {path} is absent (expected ../shared/data next to the repository root)")
-    return path
-
-
-def _head(source: Path, n_bytes: int, out: Path) -> Path:
-    """The first whole lines of `source` within `n_bytes`, written to `out` (a tmp path, never into the repo)."""
-    text = _need(source).read_bytes()[:n_bytes]
-    out.write_bytes(text[: text.rindex(b"\n") + 1])
-    return out
+def stdlib_text(n_bytes: int, skip_bytes: int = 0) -> str:
+    """About ``n_bytes`` of whole standard-library source files (UTF-8 ones, sorted by path), after ``skip_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for p in sorted(root.rglob("*.py")):
+        if any(part in SKIP_DIRS or part.startswith("test_") for part in p.relative_to(root).parts):
+            continue
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if skip_bytes > 0:
+            skip_bytes -= len(text)
+            continue
+        parts.append(text)
+        size += len(text.encode("utf-8"))
+        if size >= n_bytes:
+            break
+    return "".join(parts)
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """About 200 KB of real text: the head of TinyShakespeare."""
-    return _head(SHAKESPEARE, 200_000, tmp_path_factory.mktemp("corpus") / "shakespeare_200k.txt")
+    """About 200 KB of real text: standard-library source, blank lines between its blocks."""
+    path = tmp_path_factory.mktemp("corpus") / "stdlib_200k.txt"
+    path.write_text(stdlib_text(200_000), encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="session")
 def wiki_text(tmp_path_factory) -> Path:
-    """About 100 KB of WikiText-2 validation text, blank-line separated articles."""
-    return _head(WIKITEXT, 100_000, tmp_path_factory.mktemp("wiki") / "wiki_100k.txt")
+    """About 100 KB of other standard-library source (other files than ``corpus``), many blank-line blocks."""
+    path = tmp_path_factory.mktemp("wiki") / "stdlib_100k.txt"
+    path.write_text(stdlib_text(100_000, skip_bytes=400_000), encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +71,7 @@ def lossless_model(corpus, tmp_path_factory) -> Path:
         normalization_rule_name="identity",
         add_dummy_prefix=False,
         remove_extra_whitespaces=False,
-        user_defined_symbols=SPECIAL,
+        user_defined_symbols=[*SPECIAL, "\n"],
         minloglevel=2,
     )
 

@@ -30,20 +30,20 @@ def test_train_encode_info_verify(tmp_path, corpus, wiki_text, capsys):
 def test_errors_are_one_line_with_nonzero_exit(tmp_path, lossless_model, other_model, corpus, capsys):
     foreign = tmp_path / "foreign.bin"
     foreign.write_bytes(b"\x00" * 300)
-    assert main(["info", str(foreign)]) == 1
+    assert main(["info", str(foreign)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(foreign) in err and "not a tokbin file: expected magic" in err
 
     good = tmp_path / "good.bin"
     assert main(["encode", "--tokenizer", str(lossless_model), "--input", str(corpus), "--output", str(good)]) == 0
     capsys.readouterr()
-    assert main(["verify", str(good), "--tokenizer", str(other_model), "--quiet"]) == 1
+    assert main(["verify", str(good), "--tokenizer", str(other_model), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "tokenizer mismatch" in err
 
     latin = tmp_path / "latin.txt"
     latin.write_bytes(b"caf\xe9\n")
-    assert main(["encode", "--tokenizer", str(lossless_model), "--input", str(latin), "--output", str(good)]) == 1
+    assert main(["encode", "--tokenizer", str(lossless_model), "--input", str(latin), "--output", str(good)]) == 2
     assert "latin.txt: not valid UTF-8 at byte 3" in capsys.readouterr().err
     assert TokenFile(good).verify()  # the failed encode did not touch the existing output
 
@@ -56,20 +56,20 @@ def test_console_script_exit_codes(tmp_path):
     data = ok.read_bytes()
     ok.write_bytes(data[:-1])
     bad = subprocess.run([*run, "info", str(ok)], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "truncated" in bad.stderr and bad.stderr.count("\n") == 1
+    assert bad.returncode == 2 and "truncated" in bad.stderr and bad.stderr.count("\n") == 1
     usage = subprocess.run([*run, "encode"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2
 
 
 @pytest.mark.parametrize("cmd", ["info", "verify"])
 def test_missing_file(tmp_path, cmd, capsys):
-    assert main([cmd, str(tmp_path / "nope.bin")]) == 1
+    assert main([cmd, str(tmp_path / "nope.bin")]) == 2
     assert "nope.bin: no such file" in capsys.readouterr().err
 
 
 def test_train_tokenizer_failure_is_one_line(tmp_path, corpus, capsys):
     args = ["train-tokenizer", "--input", str(corpus), "--model-prefix", str(tmp_path / "big")]
-    assert main([*args, "--vocab-size", "100000", "--quiet"]) == 1
+    assert main([*args, "--vocab-size", "100000", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "SentencePiece training failed" in err and "Vocabulary size too high" in err
     assert not (tmp_path / "big.model").exists()

@@ -2,13 +2,15 @@
 
 from tokbin.blend import Blend
 from tokbin.cleaning import clean_text
-from tokbin.encode import encode_files
+from tokbin.documents import HashSplit
+from tokbin.encode import EncodeResult, encode_files, encode_inputs
 from tokbin.errors import TokenFileError
 from tokbin.samplers import BlendWindows, DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
+from tokbin.shards import ShardedTokens, open_tokens
 from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
-from tokbin.writer import write_tokens
+from tokbin.writer import TokenWriter, write_tokens
 
 # torch-backed parts load on first access, so the CLI and file tools start without importing torch
 _LAZY = {
@@ -35,16 +37,22 @@ __all__ = [
     "ClosableBackgroundGenerator",
     "DocumentLengths",
     "DynamicLength",
+    "EncodeResult",
     "EpochWindows",
+    "HashSplit",
     "Loader",
     "RandomWindows",
     "SeqLenWarmup",
+    "ShardedTokens",
     "TokenFile",
     "TokenFileError",
+    "TokenWriter",
     "__version__",
     "clean_text",
     "encode_files",
+    "encode_inputs",
     "file_sha256",
+    "open_tokens",
     "sft_example",
     "train_tokenizer",
     "write_tokens",

@@ -1,4 +1,4 @@
-"""The ``tokbin`` command: train-tokenizer, encode, info, verify. Exit 0 on success, 1 with a one-line error."""
+"""The ``tokbin`` command: train-tokenizer, encode, info, verify. Exit 0 on success, 2 with a one-line error."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 
-from tokbin.encode import ERRORS, encode_files
+from tokbin.encode import ERRORS, encode_inputs
 from tokbin.errors import TokenFileError
-from tokbin.tokenfile import TokenFile
+from tokbin.shards import open_tokens
+from tokbin.sources import PIECE_BYTES
 from tokbin.tokenizer import MODEL_TYPES, train_tokenizer
 
 
@@ -27,22 +28,36 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--input-sentence-size", type=int, default=0, help="sample this many lines (0: all)")
     t.add_argument("--threads", type=int, default=None)
 
-    e = sub.add_parser("encode", help="encode text files into a token file")
+    e = sub.add_parser("encode", help="encode text, JSONL or Parquet inputs into a token file or shard directory")
     e.add_argument("--tokenizer", required=True, metavar="MODEL")
-    e.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    e.add_argument("--output", required=True, metavar="OUT.bin")
-    e.add_argument("--workers", type=int, default=None, metavar="N")
+    e.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursive) or globs; .gz, .zst"
+    )
+    e.add_argument("--output", required=True, metavar="OUT", help="token file, or a directory with --shard-mb")
+    e.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default: all CPUs)")
     e.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
     e.add_argument("--split-docs", action="store_true", help="each blank-line-separated block is a document")
     e.add_argument("--clean", action="store_true", help="strip HTML tags, citation marks, whitespace runs")
     e.add_argument("--errors", choices=ERRORS, default="strict", help="undecodable UTF-8 bytes (default: fail)")
+    fmt = e.add_mutually_exclusive_group()
+    fmt.add_argument("--jsonl-field", metavar="FIELD", help="inputs are JSONL: a document per line, text in FIELD")
+    fmt.add_argument("--parquet-column", metavar="COLUMN", help="inputs are Parquet: a document per row (pyarrow)")
+    e.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or Parquet rows")
+    e.add_argument(
+        "--shard-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="write OUT as a directory of shards of about MB input megabytes each; rerun to resume",
+    )
+    e.add_argument("--piece-kb", type=int, default=PIECE_BYTES >> 10, metavar="KB", help="input per piece (memory)")
 
     i = sub.add_parser("info", help="print the header and counts")
-    i.add_argument("file", metavar="FILE.bin")
+    i.add_argument("file", metavar="FILE.bin|DIR")
     i.add_argument("--json", action="store_true")
 
     v = sub.add_parser("verify", help="check checksum, sizes, ids and tokenizer identity")
-    v.add_argument("file", metavar="FILE.bin")
+    v.add_argument("file", metavar="FILE.bin|DIR")
     v.add_argument("--tokenizer", default=None, metavar="MODEL")
     for s in (t, e, v):
         s.add_argument("--quiet", action="store_true", help="no progress bars or library logs")
@@ -72,7 +87,11 @@ def _run(args: argparse.Namespace) -> None:
         )
         print(model)
     elif args.command == "encode":
-        tf = encode_files(
+        if args.piece_kb < 1:
+            raise ValueError(f"--piece-kb must be >= 1, got {args.piece_kb}")
+        if args.shard_mb is not None and args.shard_mb <= 0:
+            raise ValueError(f"--shard-mb must be > 0, got {args.shard_mb}")
+        result = encode_inputs(
             args.tokenizer,
             args.input,
             args.output,
@@ -82,17 +101,28 @@ def _run(args: argparse.Namespace) -> None:
             clean=args.clean,
             progress=not args.quiet,
             errors=args.errors,
+            jsonl_field=args.jsonl_field,
+            parquet_column=args.parquet_column,
+            skip_bad_lines=args.skip_bad_lines,
+            shard_bytes=None if args.shard_mb is None else max(1, int(args.shard_mb * 1e6)),
+            piece_bytes=args.piece_kb << 10,
         )
-        print(f"{tf.path}: {tf.n_tokens} tokens, {tf.n_docs} documents, {tf.dtype.name}")
+        tf = result.tokens
+        notes = [f"{tf.n_tokens} tokens", f"{tf.n_docs} documents", tf.dtype.name]
+        if hasattr(tf, "shards"):
+            notes.append(f"{len(tf.shards)} shards ({result.resumed_shards} kept from an earlier run)")
+        if result.skipped_lines:
+            notes.append(f"skipped {result.skipped_lines} bad lines")
+        print(f"{tf.path}: {', '.join(notes)}")
     elif args.command == "info":
-        info = TokenFile(args.file).info()
+        info = open_tokens(args.file).info()
         if args.json:
             print(json.dumps(info, indent=2))
         else:
             for k, val in info.items():
                 print(f"{k:18} {val}")
     elif args.command == "verify":
-        summary = TokenFile(args.file).verify(args.tokenizer, progress=not args.quiet)
+        summary = open_tokens(args.file).verify(args.tokenizer, progress=not args.quiet)
         print(f"{summary['path']}: OK ({summary['n_tokens']} tokens, max id {summary['max_id']})")
 
 
@@ -103,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         _run(args)
     except (TokenFileError, ValueError, OSError) as e:
         print(f"tokbin {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print(f"tokbin {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,26 +1,36 @@
-"""Parallel, deterministic encoding of text files into a token file."""
+"""Streaming, parallel, deterministic encoding of text, JSONL or Parquet inputs into a token file or a shard directory.
+
+The main process reads pieces (``tokbin.sources``), worker processes encode them (``tokbin.documents``), and the
+main process writes the results in input order: memory holds a few pieces per worker, never a file, and the output
+is byte-identical for any worker count and piece size. A shard directory resumes after its last finished shard.
+"""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import multiprocessing
 import os
-import re
+import threading
+import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from tokbin.cleaning import clean_text
+from tokbin.documents import ERRORS, DocOptions, HashSplit, Part, PieceResult, crc32_combine, encode_piece
 from tokbin.errors import TokenFileError
+from tokbin.fileformat import dtype_for_vocab
+from tokbin.shards import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, ShardedTokens, shard_name, write_manifest
+from tokbin.sources import PIECE_BYTES, Piece, Position, ReadOptions, compression, expand_inputs, read_pieces
 from tokbin.tokenfile import TokenFile
 from tokbin.tokenizer import file_sha256, load_processor
-from tokbin.writer import write_tokens
+from tokbin.writer import TokenWriter, exclusive_lock
 
-ERRORS = ("strict", "replace", "ignore")
-# Text per batched SentencePiece call: big enough to keep its threads busy, small enough to bound memory.
-_CHUNK_CHARS = 1 << 22
-_BLANK_LINE = re.compile(r"\n[ \t\r]*\n\s*")
+__all__ = ["ERRORS", "EncodeResult", "HashSplit", "default_workers", "encode_files", "encode_inputs"]
 
 
 def default_workers() -> int:
@@ -31,60 +41,119 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def read_text(path: Path, errors: str = "strict") -> str:
-    """Decode a file as UTF-8; a bad byte raises TokenFileError with the file and byte position."""
+@dataclass
+class EncodeResult:
+    """What an encode wrote: the token file or shard directory (opened), and what it read."""
+
+    tokens: TokenFile | ShardedTokens
+    skipped_lines: int = 0  # bad JSONL lines or Parquet rows skipped under skip_bad_lines
+    text_bytes: int = 0  # UTF-8 bytes of the documents encoded
+    resumed_shards: int = 0  # finished shards of an earlier, interrupted run that were kept
+
+
+# ---- worker processes -------------------------------------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(model_proto: bytes, opts: DocOptions, dtype: str, parent: int) -> None:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor()
+    sp.LoadFromSerializedProto(model_proto)
+    _WORKER.update(sp=sp, opts=opts, dtype=np.dtype(dtype))
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    # a parent killed by SIGKILL cannot stop its pool: each worker leaves on its own once it is orphaned
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _encode_in_worker(piece: Piece) -> PieceResult:
+    return encode_piece(_WORKER["sp"], piece, _WORKER["opts"], _WORKER["dtype"])
+
+
+def _encoded(pieces: Iterator[Piece], sp, opts: DocOptions, dtype: np.dtype, workers: int):
+    """(piece, result) in input order; with several workers at most 2 pieces per worker are in flight."""
+    if workers == 1:
+        for piece in pieces:
+            yield piece, encode_piece(sp, piece, opts, dtype)
+        return
+    # fork where there is one: spawn would re-import the caller's main module, which breaks scripts without a
+    # `__main__` guard; the children run only SentencePiece and numpy, no lock a parent thread could hold
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    pool = ctx.Pool(workers, _init_worker, (sp.serialized_model_proto(), opts, dtype.str, os.getpid()))
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise TokenFileError(path, "no such file: expected a UTF-8 text file") from None
-    except IsADirectoryError:
-        raise TokenFileError(path, "is a directory: expected a UTF-8 text file") from None
-    if not data:
-        raise TokenFileError(path, "empty input: expected text, found 0 bytes")
-    try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as e:
-        bad = data[e.start : e.start + 4]
-        raise TokenFileError(
-            path, f"not valid UTF-8 at byte {e.start}: expected UTF-8 text, found {bad!r} (see --errors replace)"
-        ) from None
+        in_flight: deque = deque()
+        for piece in pieces:
+            in_flight.append((piece, pool.apply_async(_encode_in_worker, (piece,))))
+            if len(in_flight) >= 2 * workers:
+                done, result = in_flight.popleft()
+                yield done, result.get()
+        while in_flight:
+            done, result = in_flight.popleft()
+            yield done, result.get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
 
 
-def _documents(inputs: list[Path], split_docs: bool, clean: bool, errors: str, bar: tqdm) -> Iterator[tuple[str, int]]:
-    """(document text, input bytes it stands for) in input order; the byte count only feeds the progress bar."""
-    for path in inputs:
-        text = read_text(path, errors)
-        size = path.stat().st_size
-        if clean:
-            text = clean_text(text)
-        docs = [d for d in _BLANK_LINE.split(text) if d.strip()] if split_docs else [text]
-        per_char = size / max(1, sum(len(d) for d in docs))
-        for d in docs:
-            yield d, int(len(d) * per_char)
-        bar.set_postfix_str(path.name, refresh=False)
+# ---- assembling documents ---------------------------------------------------------------------------------------
 
 
-def _encode_chunk(sp, docs: list[str], workers: int, eos_id: int | None) -> list[np.ndarray]:
-    # The unit of encoding is the line (newline kept), whatever the worker count: that is what makes N workers
-    # produce exactly the bytes of 1 worker, and lines are short enough for SentencePiece's per-piece search.
-    lines_per_doc = [d.splitlines(keepends=True) for d in docs]
-    all_lines = list(itertools.chain.from_iterable(lines_per_doc))
-    ids = sp.encode(all_lines, num_threads=workers)
-    line_lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(line_lens.sum()))
-    line_ends = np.cumsum(line_lens)
-    doc_line_ends = np.cumsum([len(ls) for ls in lines_per_doc])
-    out = []
-    start = 0
-    for end_line in doc_line_ends:
-        end = int(line_ends[end_line - 1]) if end_line else 0
-        doc = flat[start:end]
-        out.append(doc if eos_id is None else np.append(doc, np.int32(eos_id)))
-        start = end
-    return out
+@dataclass
+class _Assembler:
+    """Writes piece results in order; under a hash split it holds a document that spans pieces until it ends."""
+
+    hash_split: HashSplit | None
+    text_bytes: int = 0
+    skipped_lines: int = 0
+    pending: list[Part] = field(default_factory=list)
+    crc: int = 0
+    n_bytes: int = 0
+
+    def feed(self, w: TokenWriter, r: PieceResult) -> None:
+        self.skipped_lines += r.bad_lines
+        if r.head is not None:
+            self._part(w, r.head)
+        if r.body_lengths.size:
+            w.write_documents(r.body, r.body_lengths)
+            self.text_bytes += r.body_bytes
+        if r.tail is not None:
+            self._part(w, r.tail)
+
+    def _part(self, w: TokenWriter, part: Part) -> None:
+        if self.hash_split is None:
+            w.write(part.ids)
+            self.text_bytes += part.n_bytes
+            if part.closed:
+                w.end_document()
+            return
+        self.crc = crc32_combine(self.crc, part.crc, part.n_bytes) if self.pending else part.crc
+        self.n_bytes = self.n_bytes + part.n_bytes if self.pending else part.n_bytes
+        self.pending.append(part)
+        if part.closed:
+            if self.hash_split.keeps(self.crc, self.n_bytes):
+                for p in self.pending:
+                    w.write(p.ids)
+                w.end_document()
+                self.text_bytes += self.n_bytes
+            self.pending = []
+
+    @property
+    def in_document(self) -> bool:
+        return bool(self.pending)
 
 
-def encode_files(
+# ---- the entry points -------------------------------------------------------------------------------------------
+
+
+def encode_inputs(
     tokenizer: str | os.PathLike,
     inputs: list[str | os.PathLike],
     output: str | os.PathLike,
@@ -95,58 +164,250 @@ def encode_files(
     clean: bool = False,
     progress: bool = True,
     errors: str = "strict",
-) -> TokenFile:
-    """Encode UTF-8 text files with a SentencePiece model into the token file ``output`` and open it.
+    jsonl_field: str | None = None,
+    parquet_column: str | None = None,
+    skip_bad_lines: bool = False,
+    shard_bytes: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
+    hash_split: HashSplit | None = None,
+) -> EncodeResult:
+    """``encode_files`` with a report: see there. Returns the opened output and what was read."""
+    if errors not in ERRORS:
+        raise ValueError(f"errors must be one of {ERRORS}, got {errors!r}")
+    if jsonl_field is not None and parquet_column is not None:
+        raise ValueError("jsonl_field and parquet_column: expected at most one input format, got both")
+    fmt = "jsonl" if jsonl_field is not None else "parquet" if parquet_column is not None else "text"
+    if split_docs and fmt != "text":
+        raise ValueError(f"split_docs applies to plain text; in {fmt} input every line or row is a document")
+    if not inputs:
+        raise ValueError("inputs: expected at least one input file, got none")
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes)
+    sp = load_processor(tokenizer)
+    eos_id = sp.eos_id() if eos else None
+    if eos and eos_id < 0:
+        raise TokenFileError(tokenizer, "tokenizer has no EOS piece: expected one for eos=True (or pass eos=False)")
+    paths = expand_inputs(inputs, fmt)
+    out = Path(output)
+    _check_output(out, paths, Path(tokenizer), sharded=shard_bytes is not None)
+    field_name = jsonl_field or parquet_column
+    doc_opts = DocOptions(fmt, split_docs, clean, errors, field_name, skip_bad_lines, eos_id, hash_split)
+    vocab, sha = sp.get_piece_size(), file_sha256(tokenizer)
+    dtype = dtype_for_vocab(vocab)
+    total = None if any(compression(p) for p in paths) else sum(p.stat().st_size for p in paths)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
+    try:
+        if shard_bytes is None:
+            asm = _Assembler(hash_split)
+            with TokenWriter(out, vocab_size=vocab, eos_id=eos_id, tokenizer_sha256=sha) as w:
+                pieces = read_pieces(paths, read_opts, parquet_column=parquet_column)
+                for piece, result in _encoded(pieces, sp, doc_opts, dtype, workers):
+                    asm.feed(w, result)
+                    bar.update(piece.n_bytes)
+            return EncodeResult(w.token_file, asm.skipped_lines, asm.text_bytes)
+        fingerprint = {
+            "inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
+            "format": fmt,
+            "field": jsonl_field or parquet_column,
+            "split_docs": split_docs,
+            "clean": clean,
+            "errors": errors,
+            "eos": eos,
+            "skip_bad_lines": skip_bad_lines,
+            "shard_bytes": shard_bytes,
+            "hash_split": None if hash_split is None else [hash_split.fraction, hash_split.part],
+        }
+        header = {"vocab_size": vocab, "eos_id": eos_id, "tokenizer_sha256": sha, "dtype": dtype.name}
+        return _encode_shards(out, paths, read_opts, doc_opts, sp, workers, fingerprint, header, parquet_column, bar)
+    finally:
+        bar.close()
 
-    A document is a whole file, or with ``split_docs`` each blank-line-separated block; an EOS id follows every
-    document unless ``eos=False``. ``workers`` SentencePiece threads (default: all CPUs) encode batches of lines;
-    the output is byte-identical for any worker count. ``clean`` strips HTML tags, citation marks and whitespace
-    runs first. ``errors`` is how undecodable bytes are handled: "strict" (raise, naming the file), "replace",
-    "ignore".
+
+def _check_output(out: Path, paths: list[Path], tokenizer: Path, *, sharded: bool) -> None:
+    target = out.resolve()
+    for p in [*paths, tokenizer]:
+        src = p.resolve()
+        if src == target or (sharded and src.is_relative_to(target)):
+            what = "the tokenizer" if p == tokenizer else "an input"
+            raise TokenFileError(out, f"is {what} ({p}): expected a new path for the output")
+    if not sharded and out.is_dir():
+        raise TokenFileError(out, "is a directory: expected a token file path (or pass shard_bytes for shards)")
+    if sharded and out.exists() and not out.is_dir():
+        raise TokenFileError(out, "is a file: expected a directory for shards")
+
+
+def _encode_shards(
+    out: Path,
+    paths: list[Path],
+    read_opts: ReadOptions,
+    doc_opts: DocOptions,
+    sp,
+    workers: int,
+    fingerprint: dict,
+    header: dict,
+    parquet_column: str | None,
+    bar: tqdm,
+) -> EncodeResult:
+    if not out.parent.is_dir():
+        raise TokenFileError(out, f"output directory {out.parent} does not exist")
+    out.mkdir(exist_ok=True)
+    with exclusive_lock(out / MANIFEST):
+        kept = _finished_shards(out, fingerprint)
+        n_kept = len(kept)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "complete": False,
+            **header,
+            "encode": fingerprint,
+            "shards": list(kept),
+        }
+        start = Position(*kept[-1]["end"]) if kept else Position()
+        if start.input < len(paths):
+            _clear_unlisted(out, kept)
+            write_manifest(out, manifest)
+            _write_shards(out, paths, read_opts, doc_opts, sp, workers, manifest, start, parquet_column, bar)
+        manifest["complete"] = True
+        manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
+        manifest["n_docs"] = sum(s["n_docs"] for s in manifest["shards"])
+        write_manifest(out, manifest)
+    return EncodeResult(
+        ShardedTokens(out),
+        sum(s["skipped_lines"] for s in manifest["shards"]),
+        sum(s["text_bytes"] for s in manifest["shards"]),
+        n_kept,
+    )
+
+
+def _finished_shards(out: Path, fingerprint: dict) -> list[dict]:
+    """The leading shards of an earlier run of the same encode whose data checksums still match."""
+    from tokbin.shards import read_manifest
+
+    if not (out / MANIFEST).exists():
+        if any(out.iterdir()) and not all(p.name == MANIFEST + ".lock" for p in out.iterdir()):
+            raise TokenFileError(out, "directory holds files but no manifest: expected an empty or shard directory")
+        return []
+    manifest = read_manifest(out)
+    if manifest.get("encode") != fingerprint:
+        old = manifest.get("encode") or {}
+        differs = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+        raise TokenFileError(
+            out,
+            f"holds shards of another encode ({', '.join(differs)} differ): expected the same inputs and options "
+            "to resume; remove the directory or choose another output",
+        )
+    kept = []
+    for entry in manifest["shards"]:
+        try:
+            tf = TokenFile(out / entry["file"])
+            tf.verify()
+        except TokenFileError:
+            break  # damaged or missing: encode again from here
+        if tf.data_sha256 != entry.get("data_sha256"):
+            break
+        kept.append(entry)
+    return kept
+
+
+def _clear_unlisted(out: Path, kept: list[dict]) -> None:
+    names = {e["file"] for e in kept}
+    for p in out.iterdir():
+        stale_shard = p.name.startswith("shard-") and p.name.endswith(".bin") and p.name not in names
+        temp = p.name.startswith(".") and p.name.endswith(".tmp")
+        if stale_shard or temp:
+            p.unlink()
+
+
+def _write_shards(
+    out: Path,
+    paths: list[Path],
+    read_opts: ReadOptions,
+    doc_opts: DocOptions,
+    sp,
+    workers: int,
+    manifest: dict,
+    start: Position,
+    parquet_column: str | None,
+    bar: tqdm,
+) -> None:
+    asm = _Assembler(doc_opts.hash_split)
+    stack = contextlib.ExitStack()
+    w: TokenWriter | None = None
+
+    def close_shard(end: Position) -> None:
+        nonlocal w
+        stack.close()
+        manifest["shards"].append(
+            {
+                "file": w.path.name,
+                "n_tokens": w.n_tokens,
+                "n_docs": w.n_docs,
+                "data_sha256": w.token_file.data_sha256,
+                "end": [end.input, end.offset, end.line],
+                "skipped_lines": asm.skipped_lines,
+                "text_bytes": asm.text_bytes,
+            }
+        )
+        write_manifest(out, manifest)
+        asm.skipped_lines = asm.text_bytes = 0
+        w = None
+
+    with stack:
+        pieces = read_pieces(paths, read_opts, start, parquet_column=parquet_column)
+        for piece, result in _encoded(pieces, sp, doc_opts, np.dtype(manifest["dtype"]), workers):
+            if w is None:
+                name = out / shard_name(len(manifest["shards"]))
+                w = stack.enter_context(
+                    TokenWriter(
+                        name,
+                        vocab_size=manifest["vocab_size"],
+                        eos_id=manifest["eos_id"],
+                        tokenizer_sha256=manifest["tokenizer_sha256"],
+                        lock=False,
+                    )
+                )
+            asm.feed(w, result)
+            bar.update(piece.n_bytes)
+            # a shard that is still empty (every document held out, say) runs on to the next boundary
+            if (piece.shard_end or piece.end().input == len(paths)) and w.n_tokens and not asm.in_document:
+                close_shard(piece.end())
+        if w is not None:
+            if w.n_tokens:
+                close_shard(Position(len(paths), 0, 1))
+            else:
+                w.discard()
+    if not manifest["shards"]:
+        raise TokenFileError(out, "no tokens to write: expected at least one id, found empty input")
+
+
+def encode_files(
+    tokenizer: str | os.PathLike,
+    inputs: list[str | os.PathLike],
+    output: str | os.PathLike,
+    **options: Any,
+) -> TokenFile | ShardedTokens:
+    """Encode inputs with a SentencePiece model into the token file (or shard directory) ``output`` and open it.
+
+    ``inputs`` are files, directories (their files, recursively, sorted) or globs, read in that order and in pieces
+    of ``piece_bytes`` (memory does not grow with the input). Formats: plain UTF-8 text (a document is a file, or
+    with ``split_docs`` each blank-line-separated block), JSONL (``jsonl_field="text"``: a document per line) or
+    Parquet (``parquet_column="text"``: a document per row; needs pyarrow); ``.gz`` inputs are decompressed, and
+    ``.zst`` ones through pyarrow. An EOS id follows every document unless ``eos=False``.
+
+    ``workers`` processes (default: all CPUs) encode pieces in parallel; the output is byte-identical for any worker
+    count and piece size. ``shard_bytes`` writes a directory of shards, each ending at the first document end after
+    that many input bytes, with a manifest; run again after an interruption, it keeps the finished shards (checked
+    by checksum) and encodes the rest. ``clean`` strips HTML tags, citation marks and whitespace runs first.
+    ``errors`` handles undecodable bytes: "strict" (raise, naming the file, byte and line), "replace", "ignore".
+    A bad JSONL line or Parquet value raises, naming the file and line, unless ``skip_bad_lines``.
+    ``hash_split`` keeps only one part of a held-out split by document hash (see ``HashSplit``).
 
     Example::
 
         tf = encode_files("spm.model", ["a.txt", "b.txt"], "train.bin", workers=2)
         tf.n_docs  # 2
+        ds = encode_files("spm.model", ["web/"], "web_shards", jsonl_field="text", shard_bytes=1 << 30)
     """
-    if errors not in ERRORS:
-        raise ValueError(f"errors must be one of {ERRORS}, got {errors!r}")
-    if not inputs:
-        raise ValueError("inputs: expected at least one text file, got none")
-    workers = default_workers() if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    sp = load_processor(tokenizer)
-    eos_id = sp.eos_id() if eos else None
-    if eos and eos_id < 0:
-        raise TokenFileError(tokenizer, "tokenizer has no EOS piece: expected one for eos=True (or pass eos=False)")
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise TokenFileError(p, "no such file: expected a UTF-8 text file")
-    total = sum(p.stat().st_size for p in paths)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
-
-    def docs() -> Iterator[np.ndarray]:
-        pending: list[str] = []
-        pending_chars = pending_bytes = 0
-        for text, nbytes in _documents(paths, split_docs, clean, errors, bar):
-            pending.append(text)
-            pending_chars += len(text)
-            pending_bytes += nbytes
-            if pending_chars >= _CHUNK_CHARS:
-                yield from _encode_chunk(sp, pending, workers, eos_id)
-                bar.update(pending_bytes)
-                pending, pending_chars, pending_bytes = [], 0, 0
-        if pending:
-            yield from _encode_chunk(sp, pending, workers, eos_id)
-            bar.update(pending_bytes)
-
-    try:
-        tf = write_tokens(
-            output, docs(), vocab_size=sp.get_piece_size(), eos_id=eos_id, tokenizer_sha256=file_sha256(tokenizer)
-        )
-        bar.update(total - bar.n)  # per-document byte shares are estimates; the whole input is done
-        return tf
-    finally:
-        bar.close()
+    return encode_inputs(tokenizer, inputs, output, **options).tokens

@@ -14,3 +14,7 @@ class TokenFileError(ValueError):
         self.path = str(path)
         self.reason = message
         super().__init__(f"{self.path}: {message}")
+
+    def __reduce__(self):
+        # raised in an encode worker process and re-raised in the parent: rebuild from (path, message)
+        return (type(self), (self.path, self.reason))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -19,6 +20,20 @@ if TYPE_CHECKING:
     from tokbin.tokenfile import TokenFile
 
 
+def created_mode() -> int:
+    """The mode a new file gets under this process's umask (0o644 under umask 022), for files made by mkstemp."""
+    try:
+        with open("/proc/self/status") as f:  # reads the umask without changing it (Linux)
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore, the only portable way to read it
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
     """Hold ``<path>.lock`` with ``flock(LOCK_EX | LOCK_NB)``; a second writer fails at once instead of waiting.
@@ -26,7 +41,7 @@ def exclusive_lock(path: Path) -> Iterator[None]:
     The lock file is left in place afterwards: unlinking it would let a waiting writer lock a dead inode.
     """
     lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -40,17 +55,19 @@ def exclusive_lock(path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_output(path: str | os.PathLike, *, lock: bool = True) -> Iterator[BinaryIO]:
     """Yield a temp file next to ``path``; on success fsync it, rename it over ``path`` and fsync the directory.
 
     On any exception (or a kill) nothing appears under ``path``; the temp file is removed when Python can still run.
+    The file gets the mode the umask gives. ``lock=False`` is for callers that hold a lock of their own.
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise TokenFileError(path, f"output directory {path.parent} does not exist")
-    with exclusive_lock(path):
+    with exclusive_lock(path) if lock else contextlib.nullcontext():
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, created_mode())  # mkstemp creates 0600
             with os.fdopen(fd, "w+b") as f:
                 yield f
                 f.flush()
@@ -93,6 +110,137 @@ def _checked(doc: object, index: int, vocab_size: int, dtype: np.dtype, path: Pa
     return np.ascontiguousarray(arr, dtype=dtype)
 
 
+class _Discarded(Exception):
+    pass
+
+
+class TokenWriter:
+    """Streams token ids into a new token file: ``write`` ids, ``end_document`` after each document.
+
+    Memory stays flat whatever the size: ids go straight to a temp file next to ``path`` and the document offsets
+    to an unnamed spool file, appended at the end. Nothing appears under ``path`` unless the ``with`` block ends
+    without an exception; then the file is renamed into place and ``token_file`` opens it.
+
+    Example::
+
+        with TokenWriter("ids.bin", vocab_size=1000, eos_id=2) as w:
+            w.write(np.array([5, 6, 2]))
+            w.end_document()
+        w.token_file.n_docs  # 1
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        vocab_size: int,
+        eos_id: int | None = None,
+        tokenizer_sha256: str | None = None,
+        lock: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.dtype = dtype_for_vocab(vocab_size)
+        if eos_id is not None and not 0 <= eos_id < vocab_size:
+            raise ValueError(f"eos_id must be in [0, vocab_size={vocab_size}), got {eos_id}")
+        if tokenizer_sha256 is not None and (len(tokenizer_sha256) != 64 or not _is_hex(tokenizer_sha256)):
+            raise ValueError(f"tokenizer_sha256 must be 64 hex digits, got {tokenizer_sha256!r}")
+        self.vocab_size, self.eos_id, self.tokenizer_sha256, self._lock = vocab_size, eos_id, tokenizer_sha256, lock
+        self.n_tokens = self.n_docs = self._last_end = 0
+        self.token_file: TokenFile | None = None
+        self._discard = False
+
+    def __enter__(self) -> TokenWriter:
+        self._stack = contextlib.ExitStack()
+        try:
+            self._f = self._stack.enter_context(atomic_output(self.path, lock=self._lock))
+            self._offsets = self._stack.enter_context(tempfile.TemporaryFile(dir=self.path.parent))
+        except BaseException:
+            self._stack.close()
+            raise
+        self._f.write(b"\x00" * HEADER_SIZE)  # placeholder until the counts and checksum are known
+        self._digest = new_data_hash()
+        self._pending: list[int] = [0]
+        return self
+
+    def write(self, ids: np.ndarray) -> None:
+        """Append ids (a 1-D integer array) to the current document."""
+        arr = _checked(ids, self.n_docs, self.vocab_size, self.dtype, self.path)
+        view = memoryview(arr).cast("B")
+        self._f.write(view)
+        self._digest.update(view)
+        self.n_tokens += arr.size
+
+    def end_document(self) -> None:
+        """End the current document (a document may be empty)."""
+        self._pending.append(self.n_tokens)
+        self.n_docs += 1
+        self._last_end = self.n_tokens
+        if len(self._pending) >= 1 << 16:
+            self._spool()
+
+    def write_documents(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append ``ids`` made of whole documents of ``lengths`` tokens (the first one ends the current document)."""
+        self.write(ids)
+        ends = (self.n_tokens - ids.size) + np.cumsum(lengths, dtype=np.int64)
+        self._pending.extend(ends.tolist())
+        self.n_docs += len(lengths)
+        self._last_end = int(ends[-1]) if len(ends) else self._last_end
+        if len(self._pending) >= 1 << 16:
+            self._spool()
+
+    def discard(self) -> None:
+        """Leave no file when the ``with`` block ends (the temp file is removed)."""
+        self._discard = True
+
+    def _spool(self) -> None:
+        self._offsets.write(np.asarray(self._pending, dtype=OFFSET_DTYPE).tobytes())
+        self._pending = []
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._discard and exc_type is None:
+            try:
+                raise _Discarded
+            except _Discarded:
+                self._stack.__exit__(*sys.exc_info())
+            return
+        try:
+            if exc_type is None:
+                self._finish()
+        except BaseException:
+            self._stack.__exit__(*sys.exc_info())
+            raise
+        self._stack.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            from tokbin.tokenfile import TokenFile
+
+            self.token_file = TokenFile(self.path)
+
+    def _finish(self) -> None:
+        if self.n_tokens == 0:
+            raise TokenFileError(self.path, "no tokens to write: expected at least one id, found empty input")
+        if self._last_end != self.n_tokens or self.n_docs == 0:
+            self.end_document()  # ids after the last end_document form a last document
+        self._spool()
+        f = self._f
+        f.write(b"\x00" * ((-(HEADER_SIZE + self.n_tokens * self.dtype.itemsize)) % 8))
+        self._offsets.seek(0)
+        for chunk in iter(lambda: self._offsets.read(1 << 20), b""):
+            f.write(chunk)
+            self._digest.update(chunk)
+        header = Header(
+            version=VERSION,
+            itemsize=self.dtype.itemsize,
+            vocab_size=self.vocab_size,
+            n_tokens=self.n_tokens,
+            n_docs=self.n_docs,
+            eos_id=self.eos_id,
+            tokenizer_sha256=self.tokenizer_sha256,
+            data_sha256=self._digest.hexdigest(),
+        )
+        f.seek(0)
+        f.write(header.pack())
+
+
 def write_tokens(
     path: str | os.PathLike,
     docs: Iterable[np.ndarray] | np.ndarray,
@@ -112,47 +260,11 @@ def write_tokens(
         tf = write_tokens("ids.bin", [np.array([5, 6, 2]), np.array([7, 2])], vocab_size=1000, eos_id=2)
         assert tf.n_tokens == 5 and tf.n_docs == 2
     """
-    from tokbin.tokenfile import TokenFile
-
-    path = Path(path)
-    dtype = dtype_for_vocab(vocab_size)
-    if eos_id is not None and not 0 <= eos_id < vocab_size:
-        raise ValueError(f"eos_id must be in [0, vocab_size={vocab_size}), got {eos_id}")
-    if tokenizer_sha256 is not None and (len(tokenizer_sha256) != 64 or not _is_hex(tokenizer_sha256)):
-        raise ValueError(f"tokenizer_sha256 must be 64 hex digits, got {tokenizer_sha256!r}")
-    with atomic_output(path) as f:
-        f.write(b"\x00" * HEADER_SIZE)  # placeholder until the counts and checksum are known
-        digest = new_data_hash()
-        lengths: list[int] = []
-        n_tokens = 0
-        for i, doc in enumerate(_as_docs(docs)):
-            arr = _checked(doc, i, vocab_size, dtype, path)
-            view = memoryview(arr).cast("B")
-            f.write(view)
-            digest.update(view)
-            lengths.append(arr.size)
-            n_tokens += arr.size
-        if n_tokens == 0:
-            raise TokenFileError(path, "no tokens to write: expected at least one id, found empty input")
-        pad = (-(HEADER_SIZE + n_tokens * dtype.itemsize)) % 8
-        f.write(b"\x00" * pad)
-        offsets = np.zeros(len(lengths) + 1, dtype=OFFSET_DTYPE)
-        np.cumsum(lengths, out=offsets[1:])
-        f.write(offsets.tobytes())
-        digest.update(offsets.tobytes())
-        header = Header(
-            version=VERSION,
-            itemsize=dtype.itemsize,
-            vocab_size=vocab_size,
-            n_tokens=n_tokens,
-            n_docs=len(lengths),
-            eos_id=eos_id,
-            tokenizer_sha256=tokenizer_sha256,
-            data_sha256=digest.hexdigest(),
-        )
-        f.seek(0)
-        f.write(header.pack())
-    return TokenFile(path)
+    with TokenWriter(path, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256=tokenizer_sha256) as w:
+        for doc in _as_docs(docs):
+            w.write(doc)
+            w.end_document()
+    return w.token_file
 
 
 def _is_hex(s: str) -> bool:

@@ -1,0 +1,250 @@
+"""One piece of input to encoded documents: decode, clean, cut documents, read JSONL fields or Parquet values, pick
+held-out documents by hash, run SentencePiece. This is what each worker process does.
+
+The unit SentencePiece sees is the line, newline kept: pieces hold whole lines, so the ids never depend on where
+pieces were cut, and with the lossless options ("\\n" a user-defined symbol) they equal those of the whole text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokbin.cleaning import clean_text
+from tokbin.errors import TokenFileError
+from tokbin.sources import Piece
+
+ERRORS = ("strict", "replace", "ignore")
+BLANK_LINE = re.compile(r"\n[ \t\r]*\n\s*")
+_KEY = struct.Struct("<IQ")
+
+
+@dataclass(frozen=True)
+class HashSplit:
+    """Keep the documents whose hash key falls below ``fraction`` (``part="val"``) or the others (``"train"``).
+
+    The key is BLAKE2b of the document's UTF-8 CRC-32 and length, read as a number in [0, 1): the same corpus gives
+    the same split on any machine, and identical documents always land in the same part.
+
+    Example: ``HashSplit(0.01, "val")`` keeps about 1% of the documents.
+    """
+
+    fraction: float
+    part: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"hash split fraction must be in (0, 1), got {self.fraction}")
+        if self.part not in ("train", "val"):
+            raise ValueError(f"hash split part must be 'train' or 'val', got {self.part!r}")
+
+    def keeps(self, crc: int, n_bytes: int) -> bool:
+        digest = hashlib.blake2b(_KEY.pack(crc, n_bytes), digest_size=8).digest()
+        below = int.from_bytes(digest, "little") < self.fraction * 2.0**64
+        return below == (self.part == "val")
+
+
+@dataclass(frozen=True)
+class DocOptions:
+    """How a piece becomes documents (the worker's share of the encode options)."""
+
+    fmt: str = "text"
+    split_docs: bool = False
+    clean: bool = False
+    errors: str = "strict"
+    field: str | None = None  # JSONL field or Parquet column
+    skip_bad_lines: bool = False
+    eos_id: int | None = None
+    hash_split: HashSplit | None = None
+
+
+@dataclass
+class Part:
+    """A document, or the part of one that a piece holds, encoded: EOS appended when ``closed``."""
+
+    ids: np.ndarray
+    closed: bool
+    crc: int
+    n_bytes: int
+
+
+@dataclass
+class PieceResult:
+    """A piece encoded: ``head`` (its first document, which may continue one from the piece before), ``body``
+    (whole documents, already filtered by the hash split: ids and per-document lengths), ``tail`` (a last document
+    that goes on in the next piece), and the count of skipped bad lines."""
+
+    head: Part | None
+    body: np.ndarray
+    body_lengths: np.ndarray
+    body_bytes: int
+    tail: Part | None
+    bad_lines: int
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B) (zlib's crc32_combine, which Python does not expose)."""
+    if len2 == 0:
+        return crc1
+
+    def times(mat: list[int], vec: int) -> int:
+        out, i = 0, 0
+        while vec:
+            if vec & 1:
+                out ^= mat[i]
+            vec >>= 1
+            i += 1
+        return out
+
+    def square(mat: list[int]) -> list[int]:
+        return [times(mat, mat[n]) for n in range(32)]
+
+    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = square(odd)  # two zero bits
+    odd = square(even)  # four
+    while True:  # apply len2 zero bytes to crc1, one bit of len2 at a time
+        even = square(odd)
+        if len2 & 1:
+            crc1 = times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = square(even)
+        if len2 & 1:
+            crc1 = times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+def _bad(piece: Piece, opts: DocOptions, number: int, message: str) -> None:
+    if not opts.skip_bad_lines:
+        unit = "row" if opts.fmt == "parquet" else "line"
+        raise TokenFileError(piece.path, f"{unit} {number}: {message} (--skip-bad-lines skips such {unit}s)")
+
+
+def _json_type(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def _decode(piece: Piece, errors: str) -> str:
+    data = piece.data
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        line = piece.line + data.count(b"\n", 0, e.start)
+        raise TokenFileError(
+            piece.path,
+            f"not valid UTF-8 at byte {piece.offset + e.start} (line {line}): expected UTF-8 text, "
+            f"found {data[e.start : e.start + 4]!r} (see --errors replace)",
+        ) from None
+
+
+def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int]:
+    """(texts, closed, bad lines): the piece's documents in order; ``closed[i]`` says a document ends after text i.
+
+    Only the first text can continue a document of the piece before, only the last can go on in the next one.
+    """
+    if opts.fmt == "text":
+        text = _decode(piece, opts.errors)
+        if opts.clean:
+            text = clean_text(text)
+        if not opts.split_docs:
+            return [text], [piece.last], 0
+        texts = BLANK_LINE.split(text)
+        closed = [True] * (len(texts) - 1) + [piece.last]
+        # whitespace-only documents are dropped; an open last text goes on in the next piece, which starts with
+        # a printable character, so its document is not whitespace-only
+        keep = [i for i, t in enumerate(texts) if not closed[i] or t.strip()]
+        return [texts[i] for i in keep], [closed[i] for i in keep], 0
+    texts, bad = [], 0
+    values = piece.data if opts.fmt == "parquet" else piece.data.split(b"\n")
+    for k, raw in enumerate(values):
+        number = piece.line + k
+        if opts.fmt == "parquet":
+            value = raw
+            if not isinstance(value, str):
+                bad += 1
+                _bad(piece, opts, number, f"column {opts.field!r}: expected a string, found {_json_type(value)}")
+                continue
+        else:
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, say) hold no document
+            try:
+                obj = json.loads(raw.decode("utf-8", errors=opts.errors))
+            except UnicodeDecodeError as e:
+                bad += 1
+                _bad(piece, opts, number, f"not valid UTF-8 at byte {e.start} of the line: expected UTF-8 JSON")
+                continue
+            except json.JSONDecodeError as e:
+                bad += 1
+                _bad(piece, opts, number, f"expected a JSON object, found invalid JSON ({e.msg} at column {e.colno})")
+                continue
+            if not isinstance(obj, dict):
+                bad += 1
+                _bad(piece, opts, number, f"expected a JSON object, found a JSON {_json_type(obj)}")
+                continue
+            if opts.field not in obj:
+                bad += 1
+                keys = ", ".join(map(repr, list(obj)[:5])) or "none"
+                _bad(piece, opts, number, f"no field {opts.field!r}: expected a string there, found keys {keys}")
+                continue
+            value = obj[opts.field]
+            if not isinstance(value, str):
+                bad += 1
+                _bad(piece, opts, number, f"field {opts.field!r}: expected a string, found a {_json_type(value)}")
+                continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            bad += 1
+            _bad(piece, opts, number, f"{opts.field!r}: expected Unicode text, found a lone surrogate")
+            continue
+        if value.strip():
+            texts.append(value)
+    return texts, [True] * len(texts), bad
+
+
+def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceResult:
+    """Encode one piece with the SentencePiece processor ``sp`` (one thread: parallelism is across pieces)."""
+    texts, closed, bad = segments(piece, opts)
+    raw = [t.encode("utf-8") for t in texts]
+    n = len(texts)
+    tail_index = n - 1 if n > 1 and not closed[-1] else None
+    keep = [True] * n
+    if opts.hash_split is not None:
+        for i in range(1, n if tail_index is None else tail_index):  # whole documents: decided here
+            keep[i] = opts.hash_split.keeps(zlib.crc32(raw[i]), len(raw[i]))
+    chosen = [i for i in range(n) if keep[i]]
+    lines = [texts[i].splitlines(keepends=True) for i in chosen]
+    ids = sp.encode(list(itertools.chain.from_iterable(lines)), out_type=int)
+    eos = [] if opts.eos_id is None else [opts.eos_id]
+    per_text, at = {}, 0
+    for i, ls in zip(chosen, lines, strict=True):
+        parts = itertools.chain(itertools.chain.from_iterable(ids[at : at + len(ls)]), eos if closed[i] else ())
+        per_text[i] = np.fromiter(parts, dtype=np.int64)
+        at += len(ls)
+
+    def part(i: int) -> Part:
+        return Part(per_text[i].astype(dtype), closed[i], zlib.crc32(raw[i]), len(raw[i]))
+
+    body_ids = [per_text[i] for i in chosen if i != 0 and i != tail_index]
+    body = np.concatenate(body_ids).astype(dtype) if body_ids else np.zeros(0, dtype)
+    return PieceResult(
+        head=part(0) if n else None,
+        body=body,
+        body_lengths=np.array([a.size for a in body_ids], dtype=np.int64),
+        body_bytes=sum(len(raw[i]) for i in chosen if i != 0 and i != tail_index),
+        tail=part(tail_index) if tail_index is not None else None,
+        bad_lines=bad,
+    )
