@@ -53,6 +53,23 @@ def test_gather_reads_the_concatenation_of_the_sources(data_dir):
     assert np.array_equal(x.numpy()[:, 0], ids[[60_000, 61_000]]) and x2[0, 0] == ids[62_000]
 
 
+def test_read_windows_and_a_blend_of_blends(data_dir):
+    blend = Blend.from_spec(data_dir / "mix.json")
+    ids = np.concatenate([np.asarray(s.tokens) for s in blend.sources])
+    starts = np.array([92_999, 0, 60_000, 59_000 - 1])  # 92,999 + 1001 is the end of the last source
+    rows = blend.read_windows(starts, 1001)
+    assert rows.dtype == np.uint16 and np.array_equal(rows, np.stack([ids[s : s + 1001] for s in starts]))
+    web, books = blend.sources[:2]
+    nested = Blend([Blend([web, books], [1, 1]), blend.sources[2]], [3, 1])
+    assert nested.n_tokens == blend.n_tokens and np.array_equal(nested.read_windows(starts, 1001), rows)
+    with pytest.raises(IndexError, match="is not inside one source"):
+        nested.read_windows(np.array([60_000 - 3]), 4)  # inside the inner blend, across its two sources
+    with pytest.raises(IndexError, match="exceed the 60000 tokens"):
+        web.read_windows(np.array([60_000 - 3]), 4)
+    with pytest.raises(ValueError, match="expected 1-D starts and length >= 1"):
+        blend.read_windows(np.array([0]), 0)
+
+
 @pytest.mark.parametrize("start", [60_000 - 16, 94_000 - 16, -1, 94_000])
 def test_gather_refuses_a_window_outside_one_source(data_dir, start):
     blend = Blend.from_spec(data_dir / "mix.json")

@@ -24,7 +24,7 @@ import numpy as np
 
 from tokbin.errors import TokenFileError
 from tokbin.samplers import BlendWindows, blend_probabilities
-from tokbin.tokenfile import BatchBuffer, TokenFile, batch_starts
+from tokbin.tokenfile import TokenFile, gather_windows
 
 if TYPE_CHECKING:
     import torch
@@ -39,10 +39,11 @@ class Blend:
     """Sources with the TokenFile reading interface, weighted, read as one dataset.
 
     ``sources`` are TokenFiles (or anything with ``n_tokens``, ``n_docs``, ``vocab_size``, ``eos_id``,
-    ``tokenizer_sha256``, ``dtype``, ``path`` and ``gather_many``); they must share the tokenizer identity and the
-    vocabulary size recorded in their headers, and their EOS ids where set. ``weights`` are relative (any
-    non-negative numbers, not all zero). ``gather_many`` refuses windows that cross a source's end; ``sampler()``
-    gives the matching ``BlendWindows``. Errors name ``spec_path`` and the source's field when one is given.
+    ``tokenizer_sha256``, ``dtype``, ``path`` and ``read_windows``, such as another Blend); they must share the
+    tokenizer identity and the vocabulary size recorded in their headers, and their EOS ids where set. ``weights``
+    are relative (any non-negative numbers, not all zero). ``gather_many`` refuses windows that cross a source's
+    end; ``sampler()`` gives the matching ``BlendWindows``. Errors name ``spec_path`` and the source's field when
+    one is given.
 
     Example::
 
@@ -133,36 +134,38 @@ class Blend:
     def gather_many(
         self, starts_list: Sequence[np.ndarray], seq_len: int, *, pin_memory: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``TokenFile.gather_many`` over the blend: each source gathers its rows in one call, which are then copied
-        into one buffer in the rows' order (that copy is skipped when every row comes from one source).
-
-        A window that does not lie inside one source raises IndexError.
+        """``TokenFile.gather_many`` over the blend; a window that does not lie inside one source is an IndexError.
 
         Example: ``[(x0, y0), (x1, y1)] = blend.gather_many([starts0, starts1], 1024)``
         """
-        arrays, starts = batch_starts(starts_list, seq_len)
+        return gather_windows(self.read_windows, starts_list, seq_len, pin_memory)
+
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``TokenFile.read_windows`` over the blend: each source reads its rows in one call, into one array.
+
+        Example: ``blend.read_windows(np.array([0, blend.offsets[1]]), 1025)  # a row from each of two sources``
+        """
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.ndim != 1 or length < 1:
+            raise ValueError(f"read_windows: expected 1-D starts and length >= 1, got shape {starts.shape}, {length}")
         source = np.clip(np.searchsorted(self.offsets, starts, side="right") - 1, 0, len(self.sources) - 1)
-        outside = (starts < 0) | (starts + seq_len + 1 > self.offsets[source + 1])
+        outside = (starts < 0) | (starts + length > self.offsets[source + 1])
         if outside.any():
             bad = int(np.flatnonzero(outside)[0])
             s, lo, hi = int(source[bad]), int(self.offsets[source[bad]]), int(self.offsets[source[bad] + 1])
             raise IndexError(
-                f"gather: the window of {seq_len + 1} tokens at {int(starts[bad])} is not inside one source "
+                f"gather: the window of {length} tokens at {int(starts[bad])} is not inside one source "
                 f"(source {s}, {getattr(self.sources[s], 'path', '')}, holds [{lo}, {hi})): blend windows stay "
                 "inside one source"
             )
         present = np.unique(source)
         if present.size == 1:
-            s = int(present[0])
-            local = [st - self.offsets[s] for st in arrays]
-            return self.sources[s].gather_many(local, seq_len, pin_memory=pin_memory)
-        buffer = BatchBuffer(starts.size, seq_len, pin_memory)
+            return self.sources[present[0]].read_windows(starts - self.offsets[present[0]], length)
+        rows = np.empty((starts.size, length), dtype=self.dtype)
         for s in present:
-            rows = np.flatnonzero(source == s)
-            x, y = self.sources[s].gather_many([starts[rows] - self.offsets[s]], seq_len)[0]
-            buffer.both[0, rows] = x.numpy()
-            buffer.both[1, rows] = y.numpy()
-        return buffer.batches([st.size for st in arrays])
+            mine = np.flatnonzero(source == s)
+            rows[mine] = self.sources[s].read_windows(starts[mine] - self.offsets[s], length)
+        return rows
 
     def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
         """``TokenFile.verify`` for every source (checksums, ids, document index, tokenizer identity)."""

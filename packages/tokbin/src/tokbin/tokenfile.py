@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,40 +43,38 @@ def _zero_copy_tensor(arr: np.ndarray) -> torch.Tensor:
         return _torch().from_numpy(arr)
 
 
-def batch_starts(starts_list: Sequence[np.ndarray], seq_len: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """The batches' starts as int64 arrays, and all of them concatenated; ValueError unless 1-D with seq_len >= 1."""
+def gather_windows(
+    read_windows: Callable[[np.ndarray, int], np.ndarray],
+    starts_list: Sequence[np.ndarray],
+    seq_len: int,
+    pin_memory: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``gather_many`` for any dataset from its ``read_windows(starts, length)``: one read of the ``(B, T+1)`` ids of
+    every batch, then one widening copy into an int64 ``(2, B, T)`` buffer (page-locked with ``pin_memory``)
+    whose row ranges are the batches' inputs and targets."""
     arrays = [np.asarray(st, dtype=np.int64) for st in starts_list]
     for st in arrays:
         if st.ndim != 1 or seq_len < 1:
             raise ValueError(f"gather: expected 1-D starts and seq_len >= 1, got shape {st.shape}, {seq_len}")
-    return arrays, arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
-class BatchBuffer:
-    """The int64 ``(2, rows, seq_len)`` buffer a group of batches is widened into: ``both[0]`` inputs, ``both[1]``
-    targets, in page-locked memory with ``pin_memory=True``. ``batches(sizes)`` cuts it into per-batch tensors."""
-
-    def __init__(self, n_rows: int, seq_len: int, pin_memory: bool) -> None:
-        torch = _torch()
-        self.pinned: torch.Tensor | None = None
-        if pin_memory:
-            self.pinned = torch.empty((2, n_rows, seq_len), dtype=torch.int64, pin_memory=True)
-            self.both = self.pinned.numpy()
-        else:
-            self.both = np.empty((2, n_rows, seq_len), dtype=np.int64)
-
-    def batches(self, sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(inputs, targets)`` for consecutive row ranges of ``sizes`` rows each."""
-        torch = _torch()
-        out, first = [], 0
-        for size in sizes:
-            last = first + size
-            if self.pinned is not None:  # views of the pinned tensor, so CUDA's host allocator tracks async copies
-                out.append((self.pinned[0, first:last], self.pinned[1, first:last]))
-            else:  # cut in numpy: a third of the cost of slicing a tensor (~2.5 us a view, a quarter of a gather)
-                out.append((torch.from_numpy(self.both[0, first:last]), torch.from_numpy(self.both[1, first:last])))
-            first = last
-        return out
+    starts = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    rows = read_windows(starts, seq_len + 1)  # (B, T+1) in the file dtype
+    torch = _torch()
+    if pin_memory:
+        buffer = torch.empty((2, starts.size, seq_len), dtype=torch.int64, pin_memory=True)
+        both = buffer.numpy()
+    else:
+        both = np.empty((2, starts.size, seq_len), dtype=np.int64)
+    both[0] = rows[:, :-1]  # the widening copy writes straight into contiguous inputs and targets
+    both[1] = rows[:, 1:]
+    out, first = [], 0
+    for st in arrays:
+        last = first + st.size
+        if pin_memory:  # views of the pinned tensor itself, so CUDA's host allocator tracks async copies from it
+            out.append((buffer[0, first:last], buffer[1, first:last]))
+        else:  # cut in numpy: a third of the cost of slicing a tensor (~2.5 us a view, a quarter of a gather)
+            out.append((torch.from_numpy(both[0, first:last]), torch.from_numpy(both[1, first:last])))
+        first = last
+    return out
 
 
 class TokenFile:
@@ -223,18 +221,24 @@ class TokenFile:
 
         Example: ``[(x0, y0), (x1, y1)] = tf.gather_many([starts0, starts1], 1024)``
         """
-        arrays, starts = batch_starts(starts_list, seq_len)
+        return gather_windows(self.read_windows, starts_list, seq_len, pin_memory)
+
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``tokens[s : s + length]`` for each start, as one ``(B, length)`` array in the file dtype (a copy).
+
+        One fancy index on a strided "all windows" view of the memmap: the only read ``gather`` makes from it.
+        Example: ``tf.read_windows(np.array([0, 4096]), 1025)  # (2, 1025) uint16``
+        """
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.ndim != 1 or length < 1:
+            raise ValueError(f"read_windows: expected 1-D starts and length >= 1, got shape {starts.shape}, {length}")
         lo, hi = (int(starts.min()), int(starts.max())) if starts.size else (0, 0)
-        if lo < 0 or hi + seq_len + 1 > self.n_tokens:
+        if lo < 0 or hi + length > self.n_tokens:
             raise IndexError(
-                f"gather: windows of {seq_len + 1} tokens at starts {lo}..{hi} "
+                f"gather: windows of {length} tokens at starts {lo}..{hi} "
                 f"exceed the {self.n_tokens} tokens of {self.path}"
             )
-        rows = self._windows(seq_len + 1)[starts]  # (B, T+1) in the file dtype: the only read from the memmap
-        buffer = BatchBuffer(starts.size, seq_len, pin_memory)
-        buffer.both[0] = rows[:, :-1]  # the widening copy writes straight into contiguous inputs and targets
-        buffer.both[1] = rows[:, 1:]
-        return buffer.batches([st.size for st in arrays])
+        return self._windows(length)[starts]
 
     def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
         """Check the data checksum, document index, every id < vocab_size and (optionally) the tokenizer identity.
