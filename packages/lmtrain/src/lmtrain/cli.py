@@ -17,25 +17,53 @@ from lmtrain.version import __version__
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
-        help="train a tokenizer on text files and encode train/val token files",
-        description="Train a SentencePiece tokenizer on the training text, encode both splits with tokbin and "
-        "write DATA_DIR/meta.json (files, token and byte counts, bytes per token).",
+        help="train a tokenizer on a corpus and encode train/val token files",
+        description="Train a SentencePiece tokenizer on a sample of the training corpus, encode both splits with "
+        "tokbin and write DATA_DIR/meta.json (files, token and byte counts, bytes per token). Memory stays flat "
+        "whatever the corpus size.",
     )
-    p.add_argument("--text", nargs="+", required=True, metavar="FILE", help="training text file(s)")
+    p.add_argument(
+        "--text",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="training corpus: files, directories (recursive) or globs; .gz and .zst are decompressed",
+    )
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="output directory")
     val = p.add_mutually_exclusive_group()
-    val.add_argument("--val-text", nargs="+", metavar="FILE", help="validation text file(s)")
+    val.add_argument("--val-text", nargs="+", metavar="PATH", help="validation corpus (files, directories, globs)")
     val.add_argument(
         "--val-fraction",
         type=float,
         default=None,
-        help="fraction of the training text's characters (taken from its end) held out for validation "
-        "when --val-text is not given (default 0.1)",
+        help="fraction of the documents held out for validation, chosen by a hash of each document's text, when "
+        "--val-text is not given (default 0.1); plain text is then cut into documents at blank lines",
     )
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--jsonl-field", metavar="FIELD", help="the corpus is JSONL: a document per line, text in FIELD")
+    fmt.add_argument("--parquet-column", metavar="COLUMN", help="the corpus is Parquet: a document per row (pyarrow)")
+    p.add_argument("--split-docs", action="store_true", help="plain text: a document per blank-line-separated block")
+    p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or Parquet rows")
     p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size (default: tuned, see docs)")
     p.add_argument(
         "--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"], help="SentencePiece model type"
     )
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=200.0,
+        metavar="MB",
+        help="text the tokenizer trains on, spread evenly over the training corpus (default 200)",
+    )
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default: all CPUs)")
+    p.add_argument(
+        "--shard-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="write each split as a directory of shards of about MB input megabytes; rerun to resume",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

@@ -1,8 +1,13 @@
-"""`lmtrain prepare`: text files -> tokenizer + train/val token files + meta.json."""
+"""`lmtrain prepare`: a corpus of any size -> tokenizer + train/val token files + meta.json.
+
+Memory stays flat: the tokenizer trains on a bounded sample spread over the training corpus, the held-out split is
+decided per document by a hash of its text (no copy or join of the corpus), and tokbin encodes in pieces.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import time
@@ -13,41 +18,40 @@ from lmtrain.errors import LmtrainError
 from lmtrain.recipes import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
 from lmtrain.run_files import META_FILE, TOKENIZER_FILE, write_json_atomic
 
-
-def split_by_fraction(texts: list[Path], out_dir: Path, val_fraction: float) -> tuple[list[Path], list[Path]]:
-    """Concatenate `texts` and write the first 1 - val_fraction of the characters to train.txt, the rest to
-    val.txt (nanoGPT's split). Returns ([train.txt], [val.txt])."""
-    if not 0 < val_fraction < 1:
-        raise LmtrainError(f"--val-fraction must be in (0, 1), got {val_fraction}")
-    text = "".join(_read(p) for p in texts)
-    cut = int(len(text) * (1 - val_fraction))
-    train, val = out_dir / "train.txt", out_dir / "val.txt"
-    train.write_text(text[:cut], encoding="utf-8")
-    val.write_text(text[cut:], encoding="utf-8")
-    if not text[:cut].strip() or not text[cut:].strip():
-        raise LmtrainError(f"--val-fraction {val_fraction} leaves an empty split of {len(text)} characters")
-    return [train], [val]
+DEFAULT_SAMPLE_MB = 200.0  # text the tokenizer trains on; SentencePiece then keeps at most input_sentence_size lines
+VAL_TEXT_FILE = "val.txt"
+VAL_TEXT_BYTES = 1 << 20  # the start of the held-out text, decoded, for `lmtrain eval --text`
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LmtrainError(f"--text {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LmtrainError(f"--text {path}: cannot read UTF-8 text: {exc}") from None
-
-
-def _split_info(token_file: Any, sources: list[Path], name: str) -> dict[str, Any]:
-    n_bytes = sum(p.stat().st_size for p in sources)
+def _split_info(result: Any, sources: list[str], name: str) -> dict[str, Any]:
+    tokens = result.tokens
     return {
         "file": name,
-        "sources": [str(p.resolve()) for p in sources],
-        "tokens": int(token_file.n_tokens),
-        "documents": int(token_file.n_docs),
-        "bytes": n_bytes,
-        "bytes_per_token": n_bytes / max(1, int(token_file.n_tokens)),
+        "sources": sources,
+        "tokens": int(tokens.n_tokens),
+        "documents": int(tokens.n_docs),
+        "bytes": int(result.text_bytes),
+        "bytes_per_token": result.text_bytes / max(1, int(tokens.n_tokens)),
+        "skipped_lines": int(result.skipped_lines),
     }
+
+
+def _write_val_text(sp_path: Path, val: Any, out: Path) -> None:
+    """The first documents of the validation split, decoded (the tokenizer is lossless), up to VAL_TEXT_BYTES."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(sp_path))
+    eos, parts, size = val.eos_id, [], 0
+    for i in range(val.n_docs):
+        ids = [int(t) for t in val.document(i) if int(t) != eos]
+        text = sp.decode(ids)
+        parts.append(text)
+        size += len(text.encode("utf-8"))
+        if size >= VAL_TEXT_BYTES:
+            break
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    tmp.write_text("\n\n".join(parts), encoding="utf-8")
+    os.replace(tmp, out)
 
 
 def prepare(
@@ -59,8 +63,20 @@ def prepare(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     model_type: str = "bpe",
     progress: bool = True,
+    jsonl_field: str | None = None,
+    parquet_column: str | None = None,
+    split_docs: bool = False,
+    workers: int | None = None,
+    sample_mb: float = DEFAULT_SAMPLE_MB,
+    shard_mb: float | None = None,
+    skip_bad_lines: bool = False,
 ) -> dict[str, Any]:
-    """Train the tokenizer on the training text, encode both splits, write and return meta.json's content.
+    """Train the tokenizer on a sample of the training corpus, encode both splits, write and return meta.json.
+
+    Inputs are files, directories or globs of plain text, JSONL (``jsonl_field``) or Parquet (``parquet_column``).
+    Without ``val_texts``, ``val_fraction`` of the documents (default 0.1) is held out by a hash of each document's
+    text; plain text is then cut into documents at blank lines. ``shard_mb`` writes each split as a resumable shard
+    directory instead of one file.
 
     Example:
         >>> meta = prepare(["input.txt"], "data/shakespeare", val_fraction=0.1)  # doctest: +SKIP
@@ -68,36 +84,81 @@ def prepare(
     """
     import tokbin
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
+    from tokbin.sample import write_sample
+    from tokbin.sources import PARQUET_EXTRA
 
+    if vocab_size < 4:
+        raise LmtrainError(f"--vocab-size must be >= 4 (unk, bos, eos and one piece), got {vocab_size}")
+    if sample_mb <= 0:
+        raise LmtrainError(f"--tokenizer-sample-mb must be > 0, got {sample_mb}")
+    if shard_mb is not None and shard_mb <= 0:
+        raise LmtrainError(f"--shard-mb must be > 0, got {shard_mb}")
+    if val_texts and val_fraction is not None:
+        raise LmtrainError("--val-text and --val-fraction: expected one way to hold out validation text, got both")
+    fraction = None if val_texts else (DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction)
+    if fraction is not None and not 0 < fraction < 1:
+        raise LmtrainError(f"--val-fraction must be in (0, 1), got {fraction}")
+    fmt_text = jsonl_field is None and parquet_column is None
+    read = {
+        "jsonl_field": jsonl_field,
+        "parquet_column": parquet_column,
+        # the held-out unit is the document: plain text is cut at blank lines so there are documents to hold out
+        "split_docs": fmt_text and (split_docs or fraction is not None),
+        "skip_bad_lines": skip_bad_lines,
+    }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train_paths = [Path(p) for p in texts]
-    for p in train_paths + [Path(v) for v in val_texts or []]:
-        if not p.is_file():
-            raise LmtrainError(f"{p}: no such text file")
-    if val_texts:
-        val_paths = [Path(p) for p in val_texts]
-    else:
-        train_paths, val_paths = split_by_fraction(train_paths, out, val_fraction or DEFAULT_VAL_FRACTION)
     start = time.perf_counter()
+    train_split = val_split = None
+    if fraction is not None:
+        train_split, val_split = tokbin.HashSplit(fraction, "train"), tokbin.HashSplit(fraction, "val")
     prefix = out / Path(TOKENIZER_FILE).stem
+    sample = out / ".tokenizer_sample.txt"
     try:
-        model = tokbin.train_tokenizer(train_paths, prefix, vocab_size, model_type=model_type, **LOSSLESS_SPM_OPTIONS)
-    except (tokbin.TokenFileError, ValueError) as exc:
-        raise LmtrainError(f"tokenizer training failed: {exc}") from exc
-    if model != out / TOKENIZER_FILE:
-        shutil.move(model, out / TOKENIZER_FILE)
-    tokenizer = out / TOKENIZER_FILE
-    train_file = tokbin.encode_files(tokenizer, train_paths, out / "train.bin", progress=progress)
-    val_file = tokbin.encode_files(tokenizer, val_paths, out / "val.bin", progress=progress)
+        sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
+        if sample_bytes == 0:
+            raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
+        try:
+            model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, **LOSSLESS_SPM_OPTIONS)
+        except (tokbin.TokenFileError, ValueError) as exc:
+            raise LmtrainError(f"tokenizer training failed: {exc}") from None
+        if model != out / TOKENIZER_FILE:
+            shutil.move(model, out / TOKENIZER_FILE)
+        tokenizer = out / TOKENIZER_FILE
+        names = ("train", "val") if shard_mb is not None else ("train.bin", "val.bin")
+        options = dict(read, workers=workers, progress=progress)
+        if shard_mb is not None:
+            options["shard_bytes"] = max(1, int(shard_mb * 1e6))
+        train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, **options)
+        val_inputs = val_texts or texts
+        if val_texts:
+            options["split_docs"] = fmt_text and split_docs
+        val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, **options)
+        _write_val_text(tokenizer, val.tokens, out / VAL_TEXT_FILE)
+    except tokbin.TokenFileError as exc:
+        if "no tokens to write" in str(exc) and fraction is not None:
+            raise LmtrainError(
+                f"{exc}: --val-fraction {fraction} left a split without documents; use more text, another "
+                "fraction, or --val-text"
+            ) from None
+        hint = f" ({PARQUET_EXTRA})" if "pyarrow" in str(exc) else ""
+        raise LmtrainError(f"{exc}{'' if hint in str(exc) else hint}") from None
+    except ValueError as exc:
+        raise LmtrainError(str(exc)) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            sample.unlink()
     meta = {
         "tokenizer": TOKENIZER_FILE,
         "tokenizer_sha256": tokbin.file_sha256(tokenizer),
-        "vocab_size": int(train_file.vocab_size),
+        "tokenizer_sample_bytes": sample_bytes,
+        "vocab_size": int(train.tokens.vocab_size),
         "model_type": model_type,
-        "eos_id": train_file.eos_id,
-        "train": _split_info(train_file, train_paths, "train.bin"),
-        "val": _split_info(val_file, val_paths, "val.bin"),
+        "eos_id": train.tokens.eos_id,
+        "split": {"by": "files"} if fraction is None else {"by": "document hash", "val_fraction": fraction},
+        "train": _split_info(train, [str(t) for t in texts], names[0]),
+        "val": _split_info(val, [str(t) for t in val_inputs], names[1]),
+        "val_text": VAL_TEXT_FILE,
         "seconds": round(time.perf_counter() - start, 2),
     }
     meta["bytes_per_token"] = meta["train"]["bytes_per_token"]
@@ -112,14 +173,23 @@ def run_prepare(args: argparse.Namespace) -> int:
         args.out,
         val_texts=args.val_text,
         val_fraction=args.val_fraction,
-        vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE,
+        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
         model_type=args.model_type,
+        jsonl_field=args.jsonl_field,
+        parquet_column=args.parquet_column,
+        split_docs=args.split_docs,
+        workers=args.workers,
+        sample_mb=args.tokenizer_sample_mb,
+        shard_mb=args.shard_mb,
+        skip_bad_lines=args.skip_bad_lines,
+        progress=not args.quiet,
     )
     for split in ("train", "val"):
         info = meta[split]
+        skipped = f", {info['skipped_lines']:,} bad lines skipped" if info["skipped_lines"] else ""
         print(
-            f"{split}: {info['tokens']:,} tokens from {info['bytes']:,} bytes "
-            f"({info['bytes_per_token']:.2f} bytes/token) -> {Path(args.out) / info['file']}"
+            f"{split}: {info['tokens']:,} tokens in {info['documents']:,} documents from {info['bytes']:,} bytes "
+            f"({info['bytes_per_token']:.2f} bytes/token{skipped}) -> {Path(args.out) / info['file']}"
         )
     print(f"tokenizer: {Path(args.out) / meta['tokenizer']} (vocab {meta['vocab_size']}, {meta['model_type']})")
     print(f"meta: {Path(args.out) / META_FILE}")

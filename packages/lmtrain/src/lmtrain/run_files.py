@@ -40,15 +40,51 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
-    """DATA_DIR/meta.json as written by `lmtrain prepare`, with paths resolved against DATA_DIR."""
+    """DATA_DIR/meta.json as written by `lmtrain prepare`, with paths resolved against DATA_DIR.
+
+    Every path must stay inside DATA_DIR, and the tokenizer must be the one the token files were encoded with
+    (its SHA-256 equals the one in their headers): anything else raises LmtrainError naming the file.
+    """
+    import tokbin
+
     data = Path(data_dir)
-    meta = read_json(data / META_FILE, "written by `lmtrain prepare`")
+    where = data / META_FILE
+    meta = read_json(where, "written by `lmtrain prepare`")
     for key in ("tokenizer", "train", "val"):
         if key not in meta:
-            raise LmtrainError(f"{data / META_FILE}: no {key!r} entry; re-run `lmtrain prepare`")
-    meta["tokenizer_path"] = str(data / meta["tokenizer"])
-    meta["train_path"] = str(data / meta["train"]["file"])
-    meta["val_path"] = str(data / meta["val"]["file"])
+            raise LmtrainError(f"{where}: no {key!r} entry; re-run `lmtrain prepare`")
+    root = data.resolve()
+
+    def inside(value: Any, what: str) -> Path:
+        if not isinstance(value, str) or not value:
+            raise LmtrainError(f"{where}: {what}: expected a path relative to {data}, found {value!r}")
+        path = data / value
+        if Path(value).is_absolute() or not path.resolve().is_relative_to(root):
+            raise LmtrainError(f"{where}: {what} {value!r} leaves the data directory: expected a path inside {data}")
+        return path
+
+    tokenizer = inside(meta["tokenizer"], "tokenizer")
+    meta["tokenizer_path"] = str(tokenizer)
+    for split in ("train", "val"):
+        entry = meta[split]
+        meta[f"{split}_path"] = str(inside(entry.get("file") if isinstance(entry, dict) else None, f"{split} file"))
+    sha = None
+    for split in ("train", "val"):
+        try:
+            recorded = tokbin.open_tokens(meta[f"{split}_path"]).tokenizer_sha256
+        except tokbin.TokenFileError as exc:
+            raise LmtrainError(f"{exc} (the {split} split of {where})") from None
+        if recorded is None:
+            continue  # written without a tokenizer identity (tokbin.write_tokens): nothing to compare
+        if sha is None:
+            if not tokenizer.is_file():
+                raise LmtrainError(f"{tokenizer}: missing (the tokenizer written by `lmtrain prepare`)")
+            sha = tokbin.file_sha256(tokenizer)
+        if recorded != sha:
+            raise LmtrainError(
+                f"{meta[f'{split}_path']}: encoded with a tokenizer of sha256 {recorded}, but {tokenizer} has "
+                f"sha256 {sha}: expected the same tokenizer; re-run `lmtrain prepare`"
+            )
     return meta
 
 
