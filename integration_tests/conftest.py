@@ -1,7 +1,8 @@
-"""Shared fixtures: the test data, a prepared TinyShakespeare slice, and a runner for the installed commands.
+"""Shared fixtures: train and validation text cut from this Python's own standard-library source, a data
+directory prepared from it, and a runner for the installed commands.
 
-The data is read in place from ../shared/data next to the repository root; tests that need it skip with the
-reason when it is absent.
+The text is built with `lmtrain demo`'s corpus builder (the library's .py files outside its test suites, sorted, at
+a fixed stride), so the tests need nothing outside the repository and no download.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-DATA_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-SHAKESPEARE = DATA_ROOT / "tinyshakespeare" / "input.txt"
-SLICE_CHARS = 200_000  # train on this much of TinyShakespeare; the next 20_000 characters validate
+from lmtrain.demo import build_corpus
+
+TRAIN_CHARS = 200_000  # train on this many characters of the corpus; the next VAL_CHARS validate
+VAL_CHARS = 20_000
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -60,21 +62,24 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session")
-def shakespeare_texts(tmp_path_factory) -> tuple[Path, Path]:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"test data absent: {SHAKESPEARE} (expected ../shared/data next to the repository root)")
-    text = SHAKESPEARE.read_text(encoding="utf-8")
+def texts(tmp_path_factory) -> tuple[Path, Path]:
+    """(train.txt, val.txt): TRAIN_CHARS and the following VAL_CHARS characters of standard-library source."""
     root = tmp_path_factory.mktemp("texts")
+    corpus = root / "corpus.txt"
+    # build_corpus stops near its target, not past it: ask for twice what is cut.
+    build_corpus(corpus, 2 * (TRAIN_CHARS + VAL_CHARS))
+    text = corpus.read_text(encoding="utf-8")
+    assert len(text) >= TRAIN_CHARS + VAL_CHARS, f"{corpus}: {len(text):,} characters of standard-library source"
     train, val = root / "train.txt", root / "val.txt"
-    train.write_text(text[:SLICE_CHARS], encoding="utf-8")
-    val.write_text(text[SLICE_CHARS : SLICE_CHARS + 20_000], encoding="utf-8")
+    train.write_text(text[:TRAIN_CHARS], encoding="utf-8")
+    val.write_text(text[TRAIN_CHARS : TRAIN_CHARS + VAL_CHARS], encoding="utf-8")
     return train, val
 
 
 @pytest.fixture(scope="session")
-def prepared(shakespeare_texts, tmp_path_factory) -> Path:
-    """A data directory prepared by `lmtrain prepare` from the TinyShakespeare slice (vocabulary 512)."""
-    train, val = shakespeare_texts
+def prepared(texts, tmp_path_factory) -> Path:
+    """A data directory prepared by `lmtrain prepare` from the standard-library text (vocabulary 512)."""
+    train, val = texts
     out = tmp_path_factory.mktemp("data")
     run_lmtrain("prepare", "--text", str(train), "--val-text", str(val), "--out", str(out), "--vocab-size", "512")
     return out

@@ -28,7 +28,7 @@ def torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def test_two_ranks_deepspeed_zero2_bf16(prepared, shakespeare_texts, tmp_path):
+def test_two_ranks_deepspeed_zero2_bf16(prepared, texts, tmp_path):
     ds_config = tmp_path / "ds.json"
     ds_config.write_text(json.dumps({
         "bf16": {"enabled": True},
@@ -49,7 +49,7 @@ def test_two_ranks_deepspeed_zero2_bf16(prepared, shakespeare_texts, tmp_path):
     run_info = json.loads((run / "run.json").read_text())
     assert run_info["world_size"] == 2 and run_info["train_config"]["engine"] == "deepspeed"
     # The consolidated checkpoint loads in one process: evaluate it.
-    _, val = shakespeare_texts
+    _, val = texts
     ev = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32")
     assert json.loads(ev.stdout.strip().splitlines()[-1])["tokens"] > 0
 

@@ -1,4 +1,4 @@
-"""prepare -> train -> eval -> generate on a TinyShakespeare slice at the tiny size, through the installed CLI."""
+"""prepare -> train -> eval -> generate on standard-library source at the tiny size, through the installed CLI."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from conftest import read_metrics, run_lmtrain
 
 
-def test_prepare_writes_meta_with_counts(prepared, shakespeare_texts):
+def test_prepare_writes_meta_with_counts(prepared, texts):
     meta = json.loads((prepared / "meta.json").read_text())
-    train, val = shakespeare_texts
+    train, val = texts
     assert meta["vocab_size"] == 512
     assert meta["train"]["bytes"] == train.stat().st_size
     assert meta["val"]["bytes"] == val.stat().st_size
@@ -20,12 +20,12 @@ def test_prepare_writes_meta_with_counts(prepared, shakespeare_texts):
         assert info["tokens"] > 0
         assert math.isclose(info["bytes_per_token"], info["bytes"] / info["tokens"])
         assert (prepared / info["file"]).is_file()
-    # BPE on English packs more than one byte into a token.
+    # BPE packs more than one byte into a token.
     assert 1.5 < meta["train"]["bytes_per_token"] < 5
 
 
-def test_train_eval_generate(prepared, shakespeare_texts, tmp_path):
-    _, val = shakespeare_texts
+def test_train_eval_generate(prepared, texts, tmp_path):
+    _, val = texts
     run = tmp_path / "run"
     run_lmtrain(
         "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--max-steps", "60",
@@ -64,10 +64,11 @@ def test_train_eval_generate(prepared, shakespeare_texts, tmp_path):
     assert proto["runs"][0]["loss"] == proto["runs"][1]["loss"]
     assert proto["loss_std"] >= 0 and abs(proto["loss"] - ev["loss"]) < 0.1
 
-    out = run_lmtrain("generate", "--run", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "0")
-    assert out.stdout.startswith("ROMEO:")
-    assert len(out.stdout.strip()) > len("ROMEO:")
-    again = run_lmtrain("generate", "--run", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "0")
+    prompt = "def main("
+    out = run_lmtrain("generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", "30", "--seed", "0")
+    assert out.stdout.startswith(prompt)
+    assert len(out.stdout.strip()) > len(prompt)
+    again = run_lmtrain("generate", "--run", str(run), "--prompt", prompt, "--max-new-tokens", "30", "--seed", "0")
     assert again.stdout == out.stdout, "the same seed must give the same sample"
 
 
