@@ -10,7 +10,7 @@ if [ -z "${MASTER_ADDR:-}" ]; then
     MASTER_ADDR="$(grep -v '^\s*#' "${LMTRAIN_HOSTFILE}" | awk 'NF {print $1; exit}')"
 fi
 export MASTER_ADDR
-# 29500 is the write-up's port (and torch's default); open it in the firewall between the nodes.
+# 29500 is torch's default port; open it in the firewall between the nodes.
 export MASTER_PORT="${MASTER_PORT:-29500}"
 
 # No InfiniBand HCA in these workstations: without this NCCL probes the IB/RoCE verbs library first;
@@ -47,11 +47,11 @@ fi
 
 # Keep asynchronous error handling ON (it is torch's default): when a rank dies, the collectives of the
 # others are aborted and the job fails, so torchrun can restart it, instead of every rank hanging.
-# The write-up's NCCL_ASYNC_ERROR_HANDLING=0 turned this off (and is the deprecated name): unset it.
+# NCCL_ASYNC_ERROR_HANDLING=0 (the deprecated name, still found in older recipes) turns it off: unset it.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 unset NCCL_ASYNC_ERROR_HANDLING
 
-# NCCL_MIN_NRINGS (in the write-up) no longer exists; NCCL_MIN_NCHANNELS replaced it. Neither is set:
+# NCCL_MIN_NRINGS (still found in older recipes) no longer exists; NCCL_MIN_NCHANNELS replaced it. Neither is set:
 # NCCL's own channel count is right for 4 PCIe GPUs per node. Warn if an old setting lingers.
 if [ -n "${NCCL_MIN_NRINGS:-}" ]; then
     echo "env.sh: NCCL_MIN_NRINGS is obsolete and ignored by NCCL (use NCCL_MIN_NCHANNELS); unsetting it" >&2
@@ -59,7 +59,7 @@ if [ -n "${NCCL_MIN_NRINGS:-}" ]; then
 fi
 
 # Collective timeouts belong to init_process_group(timeout=), which lmtrain sets; a socket-level timeout
-# (the write-up's) only hides where the hang is. WARN keeps NCCL quiet; INFO when diagnosing.
+# only hides where the hang is. WARN keeps NCCL quiet; INFO when diagnosing.
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
 # 4 GPU processes per node share the CPU cores that the offloaded AdamW runs on.

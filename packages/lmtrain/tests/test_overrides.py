@@ -84,7 +84,7 @@ def test_bool_rejects_garbage():
         convert("maybe", bool, key="progress")
 
 
-def test_real_configs_accept_the_issue_names():
+def test_real_configs_accept_their_field_names():
     from lmcore import ModelConfig
     from trainloop import TrainConfig
 

@@ -5,7 +5,7 @@ import pytest
 from trainloop import TrainConfig, lr_at
 
 
-def test_writeup_schedule_matches_closed_form():
+def test_reference_recipe_schedule_matches_closed_form():
     cfg = TrainConfig(lr=3e-4, min_lr=1e-6, warmup_steps=500, t_max=10_000, max_steps=12_000)
     for step in (0, 1, 250, 499):
         assert lr_at(step, cfg) == pytest.approx(1e-6 + (3e-4 - 1e-6) * step / 500, rel=1e-12)

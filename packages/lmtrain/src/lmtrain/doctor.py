@@ -1,7 +1,7 @@
 """`lmtrain doctor`: preflight checks before a (multi-node) run, one line each: OK, WARN or FAIL with the fix.
 
-The checks cover what the write-up's troubleshooting list ran into: versions, the GPUs (through gpumon), NCCL
-settings for PCIe cards without InfiniBand, the master address and port (firewalls), the token files (a `.bin`
+The checks cover the usual ways a multi-node run on PCIe workstations fails: versions, the GPUs (through gpumon),
+NCCL settings for PCIe cards without InfiniBand, the master address and port (firewalls), the token files (a `.bin`
 corrupted by a concurrent writer, ids beyond the vocabulary), the memory estimate against the GPUs, free disk.
 """
 
