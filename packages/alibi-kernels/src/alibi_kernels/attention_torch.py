@@ -89,15 +89,20 @@ def clear_bias_cache() -> None:
 def _bias_block(
     slopes_2d: torch.Tensor, row_pos0: int, n_rows: int, n_keys: int, causal: bool, dtype: torch.dtype
 ) -> torch.Tensor:
-    """-slope * (pos_i - pos_j) for rows at positions row_pos0.. and keys 0..n_keys-1: (S, Hq, n_rows, n_keys)."""
+    """-slope * (pos_i - pos_j) for rows at positions row_pos0.. and keys 0..n_keys-1: (S, Hq, n_rows, n_keys).
+
+    Built in float32 (float64 for float64) and rounded to `dtype` once: a distance cast to bf16 is no longer an
+    exact integer above 256 (fp16: 2048), and a product taken in bf16 rounds a second time.
+    """
     device = slopes_2d.device
+    build = torch.float64 if dtype == torch.float64 else torch.float32
     pos_i = torch.arange(row_pos0, row_pos0 + n_rows, device=device)
     pos_j = torch.arange(n_keys, device=device)
-    distance = (pos_j[None, :] - pos_i[:, None]).to(dtype)  # (rows, keys), exact integers in every float dtype used
-    bias = slopes_2d.to(dtype)[:, :, None, None] * distance
+    distance = (pos_j[None, :] - pos_i[:, None]).to(build)  # (rows, keys), exact integers below 2^24
+    bias = slopes_2d.to(build)[:, :, None, None] * distance
     if causal:
         bias = bias.masked_fill(distance > 0, float("-inf"))
-    return bias
+    return bias.to(dtype)
 
 
 def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:

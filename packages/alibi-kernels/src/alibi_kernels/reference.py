@@ -18,19 +18,23 @@ def alibi_bias(
     """The additive score bias -slope * (pos_i - pos_j), -inf above the diagonal when causal.
 
     slopes: (S, H) with S = 1 or B. Returns (S, H, Tq, Tk) in `dtype`; queries sit at pos_i = i + Tk - Tq.
+    Positions and the product are computed in float32 (float64 when `dtype` is float64) and rounded to `dtype`
+    once: bf16 holds integers exactly only up to 256 and fp16 up to 2048, so positions built in those dtypes
+    merge neighbouring positions and lose the bias's local slope.
 
     Example:
         >>> alibi_bias(torch.tensor([[0.5]]), 2, 3, causal=True, dtype=torch.float32, device="cpu")[0, 0]
         tensor([[-0.5000,  0.0000,    -inf],
                 [-1.0000, -0.5000,  0.0000]])
     """
-    pos_i = torch.arange(k_len - q_len, k_len, device=device, dtype=dtype)  # (Tq,)
-    pos_j = torch.arange(k_len, device=device, dtype=dtype)  # (Tk,)
+    build = torch.float64 if dtype == torch.float64 else torch.float32
+    pos_i = torch.arange(k_len - q_len, k_len, device=device, dtype=build)  # (Tq,)
+    pos_j = torch.arange(k_len, device=device, dtype=build)  # (Tk,)
     distance = pos_j[None, :] - pos_i[:, None]  # (Tq, Tk), <= 0 on and below the diagonal
-    bias = slopes.to(dtype)[:, :, None, None] * distance  # (S, H, Tq, Tk)
+    bias = slopes.to(device=device, dtype=build)[:, :, None, None] * distance  # (S, H, Tq, Tk)
     if causal:
         bias = bias.masked_fill(distance > 0, float("-inf"))
-    return bias
+    return bias.to(dtype)
 
 
 def alibi_attention_reference(
