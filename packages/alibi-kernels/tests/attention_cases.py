@@ -19,6 +19,12 @@ NEEDS_INTERPRETER = [
     ),
 ]
 
+
+def same_kernels(name):
+    """Cases that compile the same kernels run on one pytest-xdist worker (--dist loadgroup): compiled there once."""
+    return pytest.mark.xdist_group(name)
+
+
 # fp32 against float64: relative to the largest magnitude of the reference (outputs and grads are O(1)).
 FP32_RTOL = 1e-5
 FP32_GRAD_RTOL = 3e-5  # gradients sum T products of O(1) terms: a few more roundings than the output

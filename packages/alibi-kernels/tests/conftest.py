@@ -6,6 +6,11 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    # pytest-xdist registers this mark itself; registered here as well so --strict-markers accepts it without xdist.
+    config.addinivalue_line("markers", "xdist_group(name): with --dist loadgroup, run on one pytest-xdist worker")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

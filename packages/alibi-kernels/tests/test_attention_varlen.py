@@ -16,6 +16,7 @@ from attention_cases import (
     assert_fp32_close,
     assert_within_twice_torch_error,
     forward_backward,
+    same_kernels,
 )
 
 from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_attention_varlen_reference
@@ -212,12 +213,21 @@ GPU_GRID = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("hq", "hkv", "d", "causal", "dtype"), GPU_GRID)
-def test_gpu_varlen_half_precision(hq, hkv, d, causal, dtype):
+def gpu_varlen_inputs(hq, hkv, d, causal, dtype, device="cuda"):
+    """Packed inputs of one GPU_GRID case: q, k, v, grad-output, slopes, cu_seqlens. Half the cases are strided, so
+    that each dtype and each causality gets both layouts."""
     idx = GPU_GRID.index((hq, hkv, d, causal, dtype))
-    q, k, v, do, slopes, cu = make_packed(GPU_DOCS, hq, hkv, d, dtype=dtype, strided=idx % 2 == 1, seed=idx,
-                                          device="cuda")  # fmt: skip
+    strided = (idx + idx // 2) % 2 == 1  # idx % 2 is the dtype, idx // 2 % 2 the causality
+    return make_packed(GPU_DOCS, hq, hkv, d, dtype=dtype, strided=strided, seed=idx, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "causal", "dtype"),
+    [pytest.param(*c, marks=same_kernels(f"varlen-{c[4]}-D{c[2]}")) for c in GPU_GRID],
+)
+def test_gpu_varlen_half_precision(hq, hkv, d, causal, dtype):
+    q, k, v, do, slopes, cu = gpu_varlen_inputs(hq, hkv, d, causal, dtype)
     out, grads = forward_backward(varlen_path(cu, "triton"), q, k, v, do, slopes, causal=causal)
     ref_out, ref_grads = reference_varlen(q, k, v, do, slopes, cu, causal=causal)
     pt_out, pt_grads = reference_varlen(q, k, v, do, slopes, cu, causal=causal, compute_dtype=dtype)
@@ -238,7 +248,7 @@ def test_gpu_varlen_fp32_with_slope_grad_and_int64_cu_seqlens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("autotune", ["0", "1"])
+@pytest.mark.parametrize("autotune", ["0", pytest.param("1", marks=same_kernels("autotune-varlen"))])
 def test_gpu_varlen_document_equals_alibi_attention_alone(monkeypatch, autotune):
     monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", autotune)
     q, k, v, _, slopes, cu = make_packed([300, 4096, 1000], 8, 2, 128, dtype=torch.bfloat16, seed=2, device="cuda")

@@ -1,8 +1,11 @@
-"""GPU tests (marker `gpu`): the issue's grid in fp16 and bf16 up to T = 4096, Triton against float64.
+"""GPU tests (marker `gpu`): the Triton kernels in fp16 and bf16 up to T = 4096 against float64.
 
-Tolerance: the FlashAttention rule, error vs float64 at most twice PyTorch's own same-dtype math error.
-`tools/gpu_check_kernels.py` runs them with ALIBI_KERNELS_AUTOTUNE=0 (one config per head dim, so the grid
-compiles each shape once); the benchmark exercises the autotuned configs.
+Grid: T in {1, 17, 64, 100, 257, 1024, 4096} x D in {16, 32, 64, 80, 128} x Hq/Hkv in {1/1, 4/1, 6/2, 12/12} x
+causal or not x fp16/bf16 (ALIBI_KERNELS_GPU_GRID=quick: T in {1, 100, 4096}, D in {16, 80, 128}, 144 cases).
+Tolerance: the FlashAttention rule, error vs float64 at most twice PyTorch's own same-dtype math error
+(tests/test_tolerance_rule.py shows on CPU that this rule rejects wrong outputs at T = 4096).
+`tools/gpu_check_kernels.py` runs them with ALIBI_KERNELS_AUTOTUNE=0 (one config per kernel and specialisation);
+test_gpu_autotuned_configs_bf16 and the benchmark exercise the autotuned configs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from attention_cases import (
     forward_backward,
     make_inputs,
     reference_fwd_bwd,
+    same_kernels,
 )
 
 from alibi_kernels import alibi_attention
@@ -31,6 +35,7 @@ T_VALUES = [1, 100, 4096] if QUICK else [1, 17, 64, 100, 257, 1024, 4096]
 D_VALUES = [16, 80, 128] if QUICK else [16, 32, 64, 80, 128]
 HEADS = [(1, 1), (4, 1), (6, 2), (12, 12)]
 GRID = list(itertools.product(T_VALUES, D_VALUES, HEADS, [True, False], [torch.float16, torch.bfloat16]))
+AUTOTUNED_D = [64, 128, 256] if QUICK else [64, 96, 128, 256]
 
 
 def to_cuda(*tensors):
@@ -41,15 +46,20 @@ def triton_path(q, k, v, s, *, causal):
     return alibi_attention(q, k, v, s, causal=causal, backend="triton")
 
 
-@pytest.mark.parametrize(("t", "d", "heads", "causal", "dtype"), GRID)
-def test_gpu_grid_half_precision(t, d, heads, causal, dtype):
-    hq, hkv = heads
+def grid_inputs(t, d, heads, causal, dtype, device="cuda"):
+    """q, k, v, grad-output and slopes of one GRID case: every other case non-contiguous, a third per-batch slopes."""
     idx = GRID.index((t, d, heads, causal, dtype))
-    b = 2 if t <= 257 else 1
     layout = "bthd" if idx % 2 else "bhtd"
-    q, k, v, do, slopes = to_cuda(
-        *make_inputs(b, hq, hkv, t, t, d, dtype=dtype, layout=layout, per_batch_slopes=idx % 3 == 0, seed=idx)
-    )
+    b = 2 if t <= 257 else 1
+    inputs = make_inputs(b, *heads, t, t, d, dtype=dtype, layout=layout, per_batch_slopes=idx % 3 == 0, seed=idx)
+    return [x.to(device) for x in inputs]  # .to keeps the strides of the transposed views
+
+
+@pytest.mark.parametrize(
+    ("t", "d", "heads", "causal", "dtype"), [pytest.param(*c, marks=same_kernels(f"{c[4]}-D{c[1]}")) for c in GRID]
+)
+def test_gpu_grid_half_precision(t, d, heads, causal, dtype):
+    q, k, v, do, slopes = grid_inputs(t, d, heads, causal, dtype)
     out, grads = forward_backward(triton_path, q, k, v, do, slopes, causal=causal)
     ref_out, ref_grads = reference_fwd_bwd(q, k, v, do, slopes, causal=causal)
     pt_out, pt_grads = reference_fwd_bwd(q, k, v, do, slopes, causal=causal, compute_dtype=dtype)
@@ -69,7 +79,7 @@ def test_gpu_tq_differs_from_tk_fp32_with_slope_grad(tq, tk):
         assert_fp32_close(name, g, r, rtol=FP32_GRAD_RTOL)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [pytest.param(d, marks=same_kernels(f"autotune-D{d}")) for d in AUTOTUNED_D])
 def test_gpu_autotuned_configs_bf16(monkeypatch, d):
     monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", "1")
     q, k, v, do, slopes = to_cuda(*make_inputs(2, 8, 2, 1024, 1024, d, dtype=torch.bfloat16, seed=d))

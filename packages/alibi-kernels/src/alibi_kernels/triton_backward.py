@@ -79,7 +79,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HKV", "GROUP", "Tq", "Tk", "T_BUCKET", "stride_sb", "stride_sh"])  # see forward
 def alibi_bwd_dkdv_kernel(
     Q,  # (B, Hq, Tq, D) queries, any strides
     K,  # (B, Hkv, Tk, D) keys, any strides
@@ -256,7 +256,7 @@ def _dq_inner(
     return dq, dslope
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_dsl", "H", "GROUP", "Tq", "Tk", "T_BUCKET", "stride_sb", "stride_sh"])
 def alibi_bwd_dq_kernel(
     Q,  # (B, Hq, Tq, D) queries, any strides
     K,  # (B, Hkv, Tk, D) keys, any strides

@@ -95,7 +95,11 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Triton compiles one kernel per specialisation of its int arguments (value 1, divisible by 16). Sizes, head counts
+# and slope strides only feed masks and scalar index arithmetic here: specialising them would only multiply the
+# compilations (every decoding step's length class, GQA ratio 1 or not) for no faster code. The tensor strides stay
+# specialised (aligned vector loads). The backward kernels leave the same arguments unspecialised.
+@triton.jit(do_not_specialize=["H", "GROUP", "Tq", "Tk", "T_BUCKET", "stride_sb", "stride_sh"])
 def alibi_fwd_kernel(
     Q,  # (B, Hq, Tq, D) queries, any strides
     K,  # (B, Hkv, Tk, D) keys, any strides
