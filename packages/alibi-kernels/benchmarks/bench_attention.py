@@ -219,8 +219,8 @@ def _measure_gpu(setup, do):
     torch.cuda.synchronize()
     peak = (persistent + torch.cuda.max_memory_allocated() - start) / 2**30
     with torch.no_grad():
-        fwd_ms = do_bench(fn, warmup=25, rep=100)
-    fb_ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=list(leaves))
+        fwd_ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fb_ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=list(leaves), return_mode="median")
     return out.detach().float(), fwd_ms, fb_ms, peak
 
 
