@@ -43,7 +43,7 @@ def advance(next_due: float, now: float, period: float) -> float:
     return next_due + max(1, math.floor((now - next_due) / period) + 1) * period
 
 
-@dataclass
+@dataclass(slots=True)
 class TickReads:
     """What one tick read: (poller index, values) per poller read; a value is an exception where that read failed.
 
@@ -162,7 +162,7 @@ class Reader:
             i, values = self._slow_results.popleft()
             reads.append((i, values))
             ticked.failed = ticked.failed or any(isinstance(v, BaseException) for v in values)
-        lost_now: set[str] = set()  # a device lost at this tick is not read again in it
+        lost_now: set[str] | None = None  # a device lost at this tick is not read again in it
         next_due = self._next_due
         early = t + 0.5 * self.period  # a poller due within half a tick from now is read at this tick
         for i, p, read, period_s in self._lane if self._lane is not None else self._build_lane():
@@ -180,7 +180,7 @@ class Reader:
                 if isinstance(value, BaseException):
                     ticked.failed = True
                     if p.failure(value) == "lost":
-                        lost_now.add(p.group)
+                        lost_now = (lost_now or set()) | {p.group}
             reads.append((i, values))
         return ticked
 
@@ -231,7 +231,7 @@ class Reader:
         t0 = self.t0 if self.t0 is not None else self.clock()
         cpu_start = time.thread_time()
         clock, period, stop, perf_counter = self.clock, self.period, self._stop, time.perf_counter
-        k = 0
+        k, busy = 0, 0.0
         while not stop.is_set():
             delay = t0 + k * period - clock()
             while delay > 0 and not stop.is_set():
@@ -242,12 +242,14 @@ class Reader:
             started = perf_counter()
             if self.tick(clock() - t0):
                 on_batch()
-                self._cpu_s["fast"] = time.thread_time() - cpu_start  # a system call: once a batch, not every tick
-            self._busy_s["fast"] += perf_counter() - started
+                # published once a batch, not every tick (thread_time is a system call)
+                self._cpu_s["fast"] = time.thread_time() - cpu_start
+                self._busy_s["fast"] = busy + perf_counter() - started
+            busy += perf_counter() - started
             k = next_tick_index(k, clock() - t0, period)
         started = perf_counter()
         on_batch()  # what is still queued, processed in this thread so that its cost is counted
-        self._busy_s["fast"] += perf_counter() - started
+        self._busy_s["fast"] = busy + perf_counter() - started
         self._cpu_s["fast"] = time.thread_time() - cpu_start
 
     def _run_slow(self) -> None:

@@ -45,27 +45,40 @@ class Reservoir:
         self._next = 0  # the 1-based position of the next value to take once full
 
     def add(self, v: float) -> None:
-        self.add_many(v, 1)
+        self.seen += 1
+        if self.seen <= self.capacity:
+            self.values.append(v)
+            if self.seen == self.capacity:
+                self._start()
+        elif self.seen == self._next:
+            self._take(v)
 
     def add_many(self, v: float, count: int) -> None:
         """`count` values equal to `v`, as if added one by one."""
-        free = self.capacity - len(self.values)
+        free = self.capacity - self.seen
         if free > 0:
             taken = min(count, free)
             self.values.extend(array("d", (v,)) * taken)
             self.seen += taken
             count -= taken
-            if len(self.values) < self.capacity:
+            if self.seen < self.capacity:
                 return
-            if self._next == 0:
-                self._log_w = self._log_u() / self.capacity
-                self._next = self.seen + self._gap()
+            self._start()  # just filled
         end = self.seen + count
         while self._next <= end:
-            self.values[self._rng.randrange(self.capacity)] = v
-            self._log_w += self._log_u() / self.capacity
-            self._next += self._gap()
+            self._take(v)
         self.seen = end
+
+    def _start(self) -> None:
+        # just filled: draw W and the position of the first value to take
+        self._log_w = self._log_u() / self.capacity
+        self._next = self.seen + self._gap()
+
+    def _take(self, v: float) -> None:
+        # the value at position _next replaces a random one; draw the next position
+        self.values[self._rng.randrange(self.capacity)] = v
+        self._log_w += self._log_u() / self.capacity
+        self._next += self._gap()
 
     def _log_u(self) -> float:
         return math.log(max(self._rng.random(), 1e-300))  # log of a uniform (0, 1) draw
