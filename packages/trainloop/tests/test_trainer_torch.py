@@ -211,3 +211,128 @@ def test_progress_bar_only_on_a_terminal_and_timestamped_lines(tmp_path, capsys,
     ]
     assert [ln.split(" |")[0] for ln in lines] == ["step 2", "step 4"]
     assert all("lr " in ln and "gnorm " in ln and "tok/s " in ln and "mem " in ln for ln in lines)
+
+
+class StepClock:
+    """Training time that advances one second per optimizer step: the budget's decisions become deterministic."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+
+    def __call__(self) -> float:
+        return 0.0 if self.trainer is None else float(self.trainer.step)
+
+
+class CrashAt(SeqData):
+    def __init__(self, batch, at):
+        super().__init__(batch)
+        self.at = at
+
+    def __next__(self):
+        if self.pos == self.at:
+            raise RuntimeError("simulated crash")
+        return super().__next__()
+
+
+def _budget_run(run_dir, data, resume=False):
+    from trainloop import BudgetSchedule
+
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=1000, warmup_steps=2, min_lr=1e-4, time_budget_s=20.0, save_every=4)
+    clock = StepClock()
+    trainer = Trainer(TinyLM(), cfg, data, run_dir=run_dir, schedule=BudgetSchedule(cfg), clock=clock)
+    clock.trainer = trainer
+    return trainer, trainer.fit(resume=resume)
+
+
+def test_budget_schedule_replans_inside_one_fit_and_resumes_bit_exact(tmp_path, capsys):
+    trainer, out = _budget_run(tmp_path / "a", SeqData(4))
+    printed = capsys.readouterr().out
+    # The ranks agree on the time before each optimizer step, so step s sees s - 1 seconds here: re-planned at 20%
+    # of the budget (step 5: 5 steps in 4 s, 16 s left) and at 55% (step 12, 11 s), inside the one fit().
+    assert [p["at_step"] for p in trainer.schedule.plans] == [5, 12]
+    assert "re-planned at step 5: 1.25 steps/s -> 23 steps, decay from step 14" in printed
+    assert out["step"] == trainer.schedule.max_steps == 20 and out["stopped"] is None
+    recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in recs if "lr" in r]
+    assert lrs[2:13] == [1e-2] * 11 and lrs[-1] < lrs[-2] < lrs[13] < 1e-2  # constant, then the planned decay
+    # Crash after the checkpoint at step 8, resume: the plan comes back from the checkpoint, the rest is identical.
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _budget_run(tmp_path / "b", CrashAt(4, at=10))
+    resumed, out_b = _budget_run(tmp_path / "b", SeqData(4), resume=True)
+    assert out_b["step"] == 20 and resumed.schedule.plans == trainer.schedule.plans
+    assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+    wa = load_model_weights(latest_checkpoint(tmp_path / "a"))
+    wb = load_model_weights(latest_checkpoint(tmp_path / "b"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+class Harder:
+    """Evaluation batches that get harder at each evaluation after the first `easy` ones (noise targets)."""
+
+    def __init__(self, easy):
+        self.calls, self.easy = 0, easy
+
+    def __call__(self):
+        self.calls += 1
+        batches = eval_batches()
+        if self.calls <= self.easy:
+            return batches
+        g = torch.Generator().manual_seed(self.calls)
+        return [(x, torch.randint(0, 32, y.shape, generator=g)) for x, y in batches]
+
+
+def test_best_checkpoint_is_kept_when_the_loss_rises(tmp_path):
+    from trainloop import CheckpointStore
+
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=12, eval_every=3, keep_last=1)
+    out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path, eval_data=Harder(easy=2)).fit()
+    store = CheckpointStore(tmp_path)
+    assert out["best"]["step"] == 6 and store.best()["step"] == 6  # evaluations at 3, 6 improve; 9, 12 do not
+    assert store.steps() == [6, 12]  # keep_last=1 prunes everything but the newest and the best
+    assert store.resolve("best")[0].name == "step_00000006"
+    evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
+    assert [e["step"] for e in evals] == [3, 6, 9, 12]
+    assert min(evals, key=lambda e: e["eval_loss"])["step"] == 6
+
+
+def test_early_stopping_fires_after_patience_and_not_before(tmp_path):
+    torch.manual_seed(0)
+    cfg = _cfg(max_steps=30, eval_every=2, early_stopping_patience=3)
+    out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path, eval_data=Harder(easy=2)).fit()
+    # Best at the 2nd evaluation (step 4); the 3rd, 4th and 5th do not improve: stop at step 10.
+    assert out["stopped"] == "early_stopping" and out["step"] == 10 and out["best"]["step"] == 4
+    torch.manual_seed(0)
+    patient = _cfg(max_steps=30, eval_every=2, early_stopping_patience=4)
+    out = Trainer(TinyLM(), patient, SeqData(4), run_dir=tmp_path / "p", eval_data=Harder(easy=2)).fit()
+    assert out["step"] == 12 and out["stopped"] == "early_stopping"
+
+
+def test_timed_evaluations_take_at_most_a_tenth_of_the_time(tmp_path):
+    class SlowEval:
+        """Each evaluation costs 5 'seconds' of the step clock."""
+
+        def __init__(self, clock):
+            self.clock, self.calls = clock, 0
+
+        def __call__(self):
+            self.calls += 1
+            self.clock.offset += 5.0
+            return eval_batches()
+
+    class Clock(StepClock):
+        offset = 0.0
+
+        def __call__(self):
+            return super().__call__() + self.offset
+
+    torch.manual_seed(0)
+    clock = Clock()
+    evals = SlowEval(clock)
+    trainer = Trainer(TinyLM(), _cfg(max_steps=200, eval_every_s=1.0), SeqData(4), run_dir=tmp_path,
+                      eval_data=evals, clock=clock)  # fmt: skip
+    clock.trainer = trainer
+    trainer.fit()
+    # Asked for every second, but 5 s per evaluation allows one per 50 s: 200 training + 5 per evaluation.
+    assert 4 <= evals.calls - 1 <= 5  # minus the final evaluation

@@ -87,7 +87,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="bound on training wall-clock; ends with a final checkpoint and evaluation",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
+    restart = p.add_mutually_exclusive_group()
+    restart.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
+    restart.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a RUN_DIR that holds checkpoints, deleting them (without it such a RUN_DIR is refused)",
+    )
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--gpumon", action="store_true", help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.csv"
     )

@@ -93,6 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "cpu-small",
             "--time-budget",
             str(args.time_budget),
+            "--overwrite",  # a second demo into the same directory starts over
         ]  # fmt: skip
     )
     run_train(train_args)

@@ -139,16 +139,36 @@ def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int
     return min(timings, key=timings.get), timings
 
 
-def val_batches(token_file: Any, seq_len: int, batch_size: int):
-    """A zero-argument callable yielding consecutive, non-overlapping (inputs, targets) windows of the val split."""
+def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                max_windows: int | None = None):  # fmt: skip
+    """A zero-argument callable yielding consecutive, non-overlapping (inputs, targets) windows of the val split.
+
+    The first `max_windows` windows (all when None) form the evaluated set, the same for any world size; rank r
+    takes windows r, r + world_size, ... of it, so the all-reduced sums equal one process's.
+    """
     import numpy as np
 
     def batches():
-        starts = np.arange(0, token_file.n_tokens - seq_len - 1, seq_len, dtype=np.int64)
-        for i in range(0, len(starts), batch_size):
-            yield token_file.gather(starts[i : i + batch_size], seq_len)
+        starts = np.arange(0, token_file.n_tokens - seq_len - 1, seq_len, dtype=np.int64)[:max_windows]
+        mine = starts[rank::world_size]
+        for i in range(0, len(mine), batch_size):
+            yield token_file.gather(mine[i : i + batch_size], seq_len)
 
     return batches
+
+
+def budget_plan(train_cfg: Any, budget_s: float, step_s: float | None) -> tuple[Any, dict[str, Any]]:
+    """The TrainConfig of a run sized to `budget_s` seconds, and the BudgetSchedule's keyword arguments.
+
+    About 20 logged points even for short budgets; an evaluation every twelfth of the budget on the configured
+    subset of the validation split; a first guess of the final step (twice what the probe's speed allows) that only
+    sizes the progress bar until the first re-plan.
+    """
+    log_every = max(1, min(train_cfg.log_every, int(budget_s) // 25))
+    cfg = dataclasses.replace(train_cfg, log_every=log_every, schedule="wsd", eval_every=0,
+                              eval_every_s=budget_s / 12, time_budget_s=budget_s)  # fmt: skip
+    guess = None if step_s is None else int(2 * budget_s / step_s)
+    return cfg, {"first_guess": guess}
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -158,18 +178,20 @@ def run_train(args: argparse.Namespace) -> int:
 
     import tokbin
     from lmcore import GPT, n_params
-    from lmtrain.budget_schedule import REPLAN_AT, open_ended, plan
-    from trainloop import Trainer, plot_metrics
+    from trainloop import CheckpointError, CollectiveError, ConfigError, Trainer, plot_metrics
+    from trainloop.budget import BudgetSchedule
 
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     meta = read_meta(args.data)
     model_cfg, train_cfg, data_cfg, recipe = build_configs(args, meta)
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
+    resumed = args.resume and (run_dir / RUN_FILE).is_file()
     torch.manual_seed(train_cfg.seed)
     model = GPT(model_cfg)
-    resumed = args.resume and (run_dir / RUN_FILE).is_file()
     step_s = None  # seconds per step, when the thread probe measured it
     if data_cfg.cpu_threads is not None:
         torch.set_num_threads(data_cfg.cpu_threads)
@@ -180,44 +202,41 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
               + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
     set_keys = overridden_keys(args.overrides)
-    # Size the schedule to the budget while training (single process: the ranks of a distributed run would have
-    # to agree on every re-plan). Explicit steps or schedule settings turn this off.
-    budgeted = (
-        args.time_budget is not None and args.max_steps is None and not resumed and world_size == 1
-        and not {"max_steps", "t_max", "schedule", "wsd_decay_steps"} & set_keys
-    )  # fmt: skip
-    if budgeted:
-        # About 20 points on the curve even for short budgets.
-        log_every = max(1, min(train_cfg.log_every, int(args.time_budget) // 25))
-        # Twice the steps the probe's speed allows: a generous end that the first re-plan replaces.
-        guess = None if step_s is None else int(2 * args.time_budget / step_s)
-        train_cfg = open_ended(dataclasses.replace(train_cfg, log_every=log_every), guess)
-
-    def write_run_json(config: Any) -> None:
-        if rank != 0:
-            return
-        write_json_atomic(
-            run_dir / RUN_FILE,
-            {
-                "data": str(Path(args.data).resolve()),
-                "recipe": recipe,
-                "model_config": model_cfg.to_dict(),
-                "train_config": config.to_dict(),
-                "data_config": dataclasses.asdict(data_cfg),
-                "eos_id": meta.get("eos_id"),
-                "vocab_size": meta["vocab_size"],
-                "bytes_per_token": meta["bytes_per_token"],
-                "n_params": n_params(model_cfg),
-                "world_size": world_size,
-                "budget_plan": plans,
-                "cpu_threads": torch.get_num_threads(),
-            },
+    # Size the schedule to the budget while training, unless steps or the schedule are set explicitly. A resumed
+    # run keeps what it started with (run.json), its plan restored from the checkpoint.
+    if resumed:
+        budgeted = read_run(args.out).get("schedule") == "budget"
+    else:
+        budgeted = (
+            args.time_budget is not None
+            and args.max_steps is None
+            and not ({"max_steps", "t_max", "schedule", "wsd_decay_steps"} & set_keys)
         )
-
-    plans: list[dict[str, Any]] = []
+    schedule_kwargs: dict[str, Any] = {}
+    if budgeted and not resumed:
+        # The budget counts from the command's start: setup and the thread probe are charged to it.
+        remaining = max(1.0, args.time_budget - (time.perf_counter() - t_start))
+        train_cfg, schedule_kwargs = budget_plan(train_cfg, remaining, step_s)
     if rank == 0:
         shutil.copyfile(meta["tokenizer_path"], run_dir / TOKENIZER_FILE)
-        write_run_json(train_cfg)
+        if not resumed:
+            write_json_atomic(
+                run_dir / RUN_FILE,
+                {
+                    "data": str(Path(args.data).resolve()),
+                    "recipe": recipe,
+                    "schedule": "budget" if budgeted else "config",
+                    "model_config": model_cfg.to_dict(),
+                    "train_config": train_cfg.to_dict(),
+                    "data_config": dataclasses.asdict(data_cfg),
+                    "eos_id": meta.get("eos_id"),
+                    "vocab_size": meta["vocab_size"],
+                    "bytes_per_token": meta["bytes_per_token"],
+                    "n_params": n_params(model_cfg),
+                    "world_size": world_size,
+                    "cpu_threads": torch.get_num_threads(),
+                },
+            )
         steps = "sized to the budget as it runs" if budgeted else f"max_steps {train_cfg.max_steps}"
         print(
             f"lmtrain: {n_params(model_cfg) / 1e6:.2f}M parameters ({recipe or 'config file'}), seq_len "
@@ -231,70 +250,49 @@ def run_train(args: argparse.Namespace) -> int:
     sampler = sampler_cls(train_file.n_tokens, data_cfg.seq_len, train_cfg.micro_batch, seed=train_cfg.seed,
                           rank=rank, world_size=world_size)  # fmt: skip
     loader = tokbin.Loader(train_file, sampler, max_prefetch=data_cfg.prefetch)
-    eval_data = val_batches(val_file, data_cfg.seq_len, train_cfg.micro_batch)
+    eval_windows = None if train_cfg.eval_batches is None else train_cfg.eval_batches * train_cfg.micro_batch
+    eval_data = val_batches(val_file, data_cfg.seq_len, train_cfg.micro_batch, rank=rank, world_size=world_size,
+                            max_windows=eval_windows)  # fmt: skip
+    # Each rank evaluates its share of the fixed subset above; the loop must not cut it again.
+    train_cfg = dataclasses.replace(train_cfg, eval_batches=None)
     monitor = _start_monitor(run_dir) if args.gpumon and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
-    ends = [t_start + f * args.time_budget for f in REPLAN_AT] if budgeted else []
-    if args.time_budget is not None:
-        ends.append(t_start + args.time_budget)  # the budget counts from the command's start
-    loop_s, segment_first_step = 0.0, 0
     try:
-        resume = args.resume
-        for segment, end in enumerate(ends or [None]):
-            last = segment == max(0, len(ends) - 1)
-            config = train_cfg
-            if end is not None:
-                config = dataclasses.replace(train_cfg, time_budget_s=max(1.0, end - time.perf_counter()))
-            segment_start = time.perf_counter()
-            trainer = Trainer(
-                model,
-                config,
-                loader,
-                run_dir=run_dir,
-                eval_data=eval_data if last else None,
-                bytes_per_token=meta["val"]["bytes_per_token"],
-                ds_config=args.deepspeed,
-                extra_state={"model_config": model_cfg.to_dict(), "data_config": dataclasses.asdict(data_cfg)},
-            )
-            summary = trainer.fit(resume=resume)
-            loop_s += summary["wall_s"]
-            resume = True  # later segments continue from the checkpoint the previous one ended with
-            if last or summary.get("stopped") not in ("time_budget", None):
-                break
-            speed = max(summary["step"] - segment_first_step, 1) / max(time.perf_counter() - segment_start, 1e-3)
-            segment_first_step = summary["step"]
-            remaining = args.time_budget - (time.perf_counter() - t_start)
-            train_cfg = plan(train_cfg, summary["step"], speed, remaining)
-            plans.append({"at_step": summary["step"], "steps_per_s": round(speed, 3), "max_steps": train_cfg.max_steps,
-                          "decay_from": train_cfg.max_steps - train_cfg.wsd_decay_steps})  # fmt: skip
-            write_run_json(train_cfg)
-            if rank == 0:
-                print(f"lmtrain: re-planned at step {summary['step']}: {speed:.2f} steps/s -> {train_cfg.max_steps} "
-                      f"steps, decay from step {plans[-1]['decay_from']}", flush=True)  # fmt: skip
-    except (ValueError, TypeError) as exc:
-        if isinstance(exc, ValueError) and ("ds_config" in str(exc) or "TrainConfig" in str(exc)):
-            raise LmtrainError(str(exc)) from exc
-        raise
-    except RuntimeError as exc:
-        if world_size > 1 and _is_comm_failure(exc):
-            raise LmtrainError(
-                f"rank {rank} of {world_size} lost contact with the other ranks (a node or process died, or the "
-                f"network failed): {str(exc).splitlines()[0][:300]}. Restart the job with --resume (torchrun "
-                "--max-restarts does this) to continue from the latest checkpoint"
-            ) from exc
-        raise
+        trainer = Trainer(
+            model,
+            train_cfg,
+            loader,
+            run_dir=run_dir,
+            eval_data=eval_data,
+            bytes_per_token=meta["val"]["bytes_per_token"],
+            ds_config=args.deepspeed,
+            extra_state={"model_config": model_cfg.to_dict(), "data_config": dataclasses.asdict(data_cfg)},
+            schedule=BudgetSchedule(train_cfg, **schedule_kwargs) if budgeted else None,
+        )
+        summary = trainer.fit(resume=args.resume, overwrite=args.overwrite)
+    except (ConfigError, CheckpointError) as exc:
+        raise LmtrainError(str(exc)) from exc
+    except CollectiveError as exc:
+        raise LmtrainError(
+            f"rank {rank} of {world_size} lost contact with the other ranks (a node or process died, or the "
+            f"network failed): {str(exc).splitlines()[0][:300]}. Restart the job with --resume (torchrun "
+            "--max-restarts does this) to continue from the latest checkpoint"
+        ) from exc
     finally:
         loader.close()
         if monitor is not None:
             monitor.__exit__(None, None, None)
             print(f"gpumon ({run_dir / 'gpumon.csv'}):\n{monitor.summary()}", flush=True)
     if rank == 0:
+        if budgeted:
+            run = read_run(args.out)
+            run["budget_plan"] = trainer.schedule.plans
+            write_json_atomic(run_dir / RUN_FILE, run)
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file() and metrics.stat().st_size:
             try:
                 plot_metrics(metrics, run_dir / "loss.png")
             except Exception as exc:  # a plot must not fail a finished run
                 print(f"lmtrain: could not plot {metrics}: {exc}", file=sys.stderr)
-        summary["wall_s"] = loop_s  # the training loops of all segments
         print(json.dumps({"summary": summary, "run_dir": str(run_dir)}, default=str), flush=True)
     return 0
 
@@ -306,9 +304,3 @@ def _start_monitor(run_dir: Path) -> Any:
     monitor = gpumon.Monitor(rate_hz=100, out=run_dir / "gpumon.csv", backend="auto")
     monitor.__enter__()
     return monitor
-
-
-def _is_comm_failure(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}".lower()
-    needles = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "broken pipe", "distbackenderror")
-    return any(n in text for n in needles)

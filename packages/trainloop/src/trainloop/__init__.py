@@ -3,22 +3,32 @@
 Per-group clipping, closed-form schedules, atomic checkpoints, exact resume.
 """
 
+from trainloop.budget import BudgetSchedule
 from trainloop.calibration import calibrate
-from trainloop.checkpoint import latest_checkpoint, load_model_weights
+from trainloop.checkpoint import CheckpointError, CheckpointStore, latest_checkpoint, load_model_weights
 from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
-from trainloop.config import TrainConfig, load_clip_groups
+from trainloop.config import ConfigError, TrainConfig, load_clip_groups
 from trainloop.ds_config import build_ds_config
+from trainloop.engine import Engine
 from trainloop.evaluation import evaluate
-from trainloop.faults import NonFiniteLossError
+from trainloop.faults import CollectiveError, NonFiniteLossError
 from trainloop.plotting import plot_metrics
-from trainloop.schedules import lr_at
+from trainloop.schedules import ConfigSchedule, Schedule, lr_at
 from trainloop.trainer import Trainer
 from trainloop.version import __version__
 
 __all__ = [
+    "BudgetSchedule",
+    "CheckpointError",
+    "CheckpointStore",
     "ClipGroups",
     "ClipReport",
+    "CollectiveError",
+    "ConfigError",
+    "ConfigSchedule",
+    "Engine",
     "NonFiniteLossError",
+    "Schedule",
     "TrainConfig",
     "Trainer",
     "__version__",

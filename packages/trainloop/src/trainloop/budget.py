@@ -51,7 +51,7 @@ class BudgetSchedule:
     ) -> None:
         if config.time_budget_s is None:
             raise ValueError("BudgetSchedule needs TrainConfig.time_budget_s (the budget it sizes the schedule to)")
-        if not all(0 < a < b < 1 for a, b in zip((0.0, *replan_at), (*replan_at, 1.0), strict=False)):
+        if list(replan_at) != sorted(set(replan_at)) or not all(0 < f < 1 for f in replan_at):
             raise ValueError(f"replan_at={replan_at!r} must be increasing fractions in (0, 1)")
         self.config = config
         self.budget_s = float(config.time_budget_s)

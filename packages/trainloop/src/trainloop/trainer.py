@@ -35,6 +35,7 @@ from trainloop.schedules import ConfigSchedule, Schedule
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SIGNAL_STOP = "signal"
+EVAL_SHARE = 0.1  # the most of the training time that evaluations every eval_every_s may take
 
 
 class Trainer:
@@ -45,7 +46,8 @@ class Trainer:
     own share: the sums are all-reduced). ``extra_state`` (JSON-able) goes into every checkpoint. ``schedule`` is
     asked for every step's learning rate and the final step; it defaults to the config's closed form
     (:class:`~trainloop.schedules.ConfigSchedule`), and :class:`~trainloop.budget.BudgetSchedule` re-plans itself to
-    the time budget while the loop runs.
+    the time budget while the loop runs. ``clock`` measures training time (budget, timed evaluations, re-plans,
+    throughput); a test may pass a deterministic one.
 
     Example:
         >>> cfg = TrainConfig(max_steps=100, lr=1e-3, warmup_steps=10, log_every=10, save_every=50)
@@ -66,6 +68,7 @@ class Trainer:
         ds_config: dict | str | Path | None = None,
         extra_state: dict[str, Any] | None = None,
         schedule: Schedule | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -108,7 +111,8 @@ class Trainer:
         self._signals = StopSignals()
         self._last_saved_step: int | None = None
         self._batch_checked = False
-        self._fit_t0 = time.perf_counter()
+        self._clock = clock
+        self._fit_t0 = clock()
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _say(self, msg: str, bar: Any = None) -> None:
@@ -125,7 +129,12 @@ class Trainer:
 
     def _elapsed(self) -> float:
         """Training seconds of the whole run: earlier processes (from the checkpoint) plus this fit()."""
-        return self.train_seconds + time.perf_counter() - self._fit_t0
+        return self.train_seconds + self._clock() - self._fit_t0
+
+    def _mean_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64))[0]) / self.world_size
 
     def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool, float]:
         """(mean loss, any rank signalled, any rank past the time budget, mean elapsed seconds) in one all-reduce,
@@ -343,7 +352,8 @@ class Trainer:
         and at the end; evaluates likewise and at every ``eval_every_s`` seconds of training.
         """
         cfg = self.config
-        self._fit_t0 = time.perf_counter()
+        wall_t0 = time.perf_counter()
+        self._fit_t0 = self._clock()
         resume_step = None
         if resume:
             ckpt, self.skipped_checkpoints = self._find_resumable(verify)
@@ -352,6 +362,7 @@ class Trainer:
             if ckpt is not None:
                 self.load_checkpoint(ckpt)
                 resume_step = self.step
+                self._fit_t0 = self._clock()  # training time restarts after the load (train_seconds holds the past)
             else:
                 self._say(f"no complete checkpoint under {self.run_dir}: starting from step 0")
         else:
@@ -396,7 +407,7 @@ class Trainer:
             checkpoint=str(ckpt or self.store.step_dir(self.step)),
             best={"step": self.best[0], "eval_loss": self.best[1]} if self.best else None,
             total_skips=self.total_skips,
-            wall_s=time.perf_counter() - self._fit_t0,
+            wall_s=time.perf_counter() - wall_t0,
         )
         del summary["eval_step"]
         return summary
@@ -424,7 +435,7 @@ class Trainer:
             bar = tqdm(total=self.schedule.max_steps, initial=self.step, desc="train", dynamic_ncols=True, leave=False)
         it = iter(self.train_data)
         summary: dict[str, Any] = {"stopped": None, "eval": None, "eval_step": None, "loss": None}
-        window_tokens, window_t0 = 0, time.perf_counter()
+        window_tokens, window_t0 = 0, self._clock()
         anomaly = torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else None
         try:
             while self.step < self.schedule.max_steps:
@@ -443,7 +454,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
                 if self.step % cfg.log_every == 0 or record["skipped"]:
-                    now = time.perf_counter()
+                    now = self._clock()
                     tps = window_tokens / max(now - window_t0, 1e-9)
                     window_tokens, window_t0 = 0, now
                     record["tokens_seen"] = self.tokens_seen
@@ -468,8 +479,15 @@ class Trainer:
                     while self.next_eval_s <= elapsed:
                         self.next_eval_s += cfg.eval_every_s
                 if not last and ((cfg.eval_every and self.step % cfg.eval_every == 0) or by_time):
+                    t0 = self._clock()
                     summary["eval"], early = self._eval_and_track(logger)
                     summary["eval_step"] = self.step
+                    if cfg.eval_every_s:
+                        # Timed evaluations (and the best checkpoints they save) take at most EVAL_SHARE of the
+                        # time: the next one waits for cost / EVAL_SHARE seconds. The ranks' mean cost keeps the
+                        # decision identical everywhere.
+                        cost = self._mean_over_ranks(self._clock() - t0)
+                        self.next_eval_s = max(self.next_eval_s, elapsed + cost / EVAL_SHARE)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self._last_saved_step != self.step:
                     self.save_checkpoint()
                 if early or budget:
