@@ -12,7 +12,8 @@ from tiny_model import SeqData, TinyLM
 from trainloop import TrainConfig, Trainer, build_ds_config, latest_checkpoint, load_model_weights
 
 CLIP = {"embed.*": 0.3, "*o_proj*": 0.05}
-WRITEUP_DS_CONFIG = {
+# The reference 1.3B recipe's ZeRO-2 config (4 nodes x 4 RTX 3090), as users bring it.
+REFERENCE_DS_CONFIG = {
     "train_batch_size": 128,
     "gradient_accumulation_steps": 4,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
@@ -68,18 +69,18 @@ def test_zero2_two_ranks_match_single_process_and_resume(tmp_path):
     again = _records(resumed)
     assert [r["step"] for r in again] == list(range(1, 11))
     for a, b in zip(got[5:], again[5:], strict=True):
-        # Bit for bit here (deterministic 2-rank gloo reductions); the bound is 1e-6 relative.
+        # Bit for bit here (deterministic 2-rank gloo reductions); the bound is 1e-6 relative.
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a["step"], a["loss"], b["loss"])
 
 
 @pytest.mark.slow
-def test_zero_stages_0_1_3_bf16_and_writeup_config_two_ranks(tmp_path):
+def test_zero_stages_0_1_3_bf16_and_offload_config_two_ranks(tmp_path):
     ref, _ = _reference(tmp_path / "ref", 4)
     cases = [{"stage": s, "precision": "fp32"} for s in (0, 1, 3)]
     cases.append({"stage": 2, "precision": "bf16", "inspect_steps": [2]})
-    # The write-up's config as is: 128 = micro_batch 16 x grad_accum 4 x 2 ranks; optimizer offloaded to pinned CPU
-    # memory, overlap_comm, contiguous_gradients, an AdamW block (replaced by the loop's AdamW).
-    cases.append({"name": "writeup", "stage": 2, "precision": "bf16", "ds_config": WRITEUP_DS_CONFIG,
+    # The reference 1.3B recipe's config as is: 128 = micro_batch 16 x grad_accum 4 x 2 ranks; optimizer offloaded to
+    # pinned CPU memory, overlap_comm, contiguous_gradients, an AdamW block (replaced by the loop's AdamW).
+    cases.append({"name": "offload", "stage": 2, "precision": "bf16", "ds_config": REFERENCE_DS_CONFIG,
                   "grad_accum": 4, "global_batch": 128, "tied": True})  # fmt: skip
     out = tagged(run("ds_stages.py", {"run_dir": str(tmp_path), "steps": 4, "cases": cases}, nproc=2), "RESULTS")
     ref_loss = [r["loss"] for r in ref]
@@ -95,10 +96,10 @@ def test_zero_stages_0_1_3_bf16_and_writeup_config_two_ranks(tmp_path):
     total = sum(float(r.split("\t")[3]) ** 2 for r in rows) ** 0.5
     assert len(rows) == 6 and _close(total, out["2_bf16"]["norms"][1], 1e-4), (total, out["2_bf16"]["norms"])
 
-    writeup = out["writeup"]
-    assert len(writeup["loss"]) == 4 and writeup["loss"][-1] < writeup["loss"][0]
-    assert any("replaced by torch AdamW" in n for n in writeup["notes"])
-    ckpt = latest_checkpoint(writeup["run_dir"])
+    offload = out["offload"]
+    assert len(offload["loss"]) == 4 and offload["loss"][-1] < offload["loss"][0]
+    assert any("replaced by torch AdamW" in n for n in offload["notes"])
+    ckpt = latest_checkpoint(offload["run_dir"])
     assert (ckpt / "deepspeed" / "state").is_dir()
     weights = load_model_weights(ckpt)
     assert weights["head.weight"].dtype == torch.float32 and torch.equal(
@@ -109,13 +110,13 @@ def test_zero_stages_0_1_3_bf16_and_writeup_config_two_ranks(tmp_path):
 
 
 def test_ds_config_is_reconciled_with_clear_errors():
-    ds, notes = build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=16, grad_accum=4), 2, on_cpu=True)
+    ds, notes = build_ds_config(REFERENCE_DS_CONFIG, TrainConfig(micro_batch=16, grad_accum=4), 2, on_cpu=True)
     assert ds["train_micro_batch_size_per_gpu"] == 16 and ds["gradient_clipping"] == 0.0
     assert "optimizer" not in ds and ds["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
     with pytest.raises(ValueError, match=r"train_batch_size=128 .* = 64: set micro_batch=16"):
-        build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=8, grad_accum=4), 2, on_cpu=True)
+        build_ds_config(REFERENCE_DS_CONFIG, TrainConfig(micro_batch=8, grad_accum=4), 2, on_cpu=True)
     with pytest.raises(ValueError, match="TrainConfig.grad_accum=2"):
-        build_ds_config(WRITEUP_DS_CONFIG, TrainConfig(micro_batch=32, grad_accum=2), 2, on_cpu=True)
+        build_ds_config(REFERENCE_DS_CONFIG, TrainConfig(micro_batch=32, grad_accum=2), 2, on_cpu=True)
     with pytest.raises(ValueError, match="fp16.*does not work with DeepSpeed on CPU"):
         build_ds_config({}, TrainConfig(precision="fp16"), 1, on_cpu=True)
     with pytest.raises(ValueError, match="enables bf16 but TrainConfig.precision='fp32'"):
