@@ -1,0 +1,50 @@
+"""`lmtrain train` as users start it: a budgeted run re-planned inside one loop that keeps its best checkpoint, a
+run directory that is never overwritten by accident, and the deepspeed launcher's --local_rank flag."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import read_metrics, run_lmtrain
+
+
+def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path):
+    run = tmp_path / "run"
+    result = run_lmtrain("train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--time-budget", "25")
+    summary = json.loads(result.stdout.strip().splitlines()[-1])["summary"]
+    info = json.loads((run / "run.json").read_text())
+    assert info["schedule"] == "budget"
+    plans = info["budget_plan"]
+    assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans) and len(plans) == 2
+    assert result.stdout.count("re-planned at step") == 2 and result.stdout.count("torch engine") == 1  # one fit()
+    lrs = [r["lr"] for r in read_metrics(run) if "lr" in r]
+    assert lrs[-1] < max(lrs)  # the planned decay happened
+    evals = [r for r in read_metrics(run) if "eval_loss" in r]
+    assert len(evals) >= 2, "timed evaluations during a budgeted run"
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["value"] == min(e["eval_loss"] for e in evals) and summary["best"]["step"] == best["step"]
+    assert (run / "checkpoints" / best["checkpoint"] / "manifest.json").is_file()
+
+
+def test_a_fresh_run_refuses_a_run_directory_with_checkpoints(prepared, tmp_path):
+    run = tmp_path / "run"
+    args = [
+        "train",
+        "--data",
+        str(prepared),
+        "--out",
+        str(run),
+        "--preset",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--set",
+        "log_every=1",
+    ]
+    run_lmtrain(*args, "--local_rank=0")  # as the deepspeed launcher appends it
+    again = run_lmtrain(*args, check=False)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1 and "--overwrite" in again.stderr and "--resume" in again.stderr
+    assert (run / "checkpoints" / "step_00000003").is_dir()
+    run_lmtrain(*args, "--overwrite", "--local-rank", "0")
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 3
