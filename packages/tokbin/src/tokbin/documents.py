@@ -228,23 +228,30 @@ def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceRe
     chosen = [i for i in range(n) if keep[i]]
     lines = [texts[i].splitlines(keepends=True) for i in chosen]
     ids = sp.encode(list(itertools.chain.from_iterable(lines)), out_type=int)
+    line_lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(line_lens.sum()))
+    token_ends = np.concatenate([[0], np.cumsum(line_lens)])[np.cumsum([len(ls) for ls in lines], dtype=np.int64)]
+    bounds = {i: (int(s), int(e)) for i, s, e in zip(chosen, [0, *token_ends[:-1]], token_ends, strict=True)}
     eos = [] if opts.eos_id is None else [opts.eos_id]
-    per_text, at = {}, 0
-    for i, ls in zip(chosen, lines, strict=True):
-        parts = itertools.chain(itertools.chain.from_iterable(ids[at : at + len(ls)]), eos if closed[i] else ())
-        per_text[i] = np.fromiter(parts, dtype=np.int64)
-        at += len(ls)
 
     def part(i: int) -> Part:
-        return Part(per_text[i].astype(dtype), closed[i], zlib.crc32(raw[i]), len(raw[i]))
+        lo, hi = bounds[i]
+        ids_i = np.concatenate([flat[lo:hi], eos]) if closed[i] and eos else flat[lo:hi]
+        return Part(ids_i.astype(dtype), closed[i], zlib.crc32(raw[i]), len(raw[i]))
 
-    body_ids = [per_text[i] for i in chosen if i != 0 and i != tail_index]
-    body = np.concatenate(body_ids).astype(dtype) if body_ids else np.zeros(0, dtype)
+    inner = [i for i in chosen if i != 0 and i != tail_index]  # whole documents, contiguous in flat
+    if inner:
+        lo, hi = bounds[inner[0]][0], bounds[inner[-1]][1]
+        ends = np.array([bounds[i][1] - lo for i in inner], dtype=np.int64)
+        body = np.insert(flat[lo:hi], ends, opts.eos_id) if eos else flat[lo:hi]
+        lengths = np.diff(np.concatenate([[0], ends])) + len(eos)
+    else:
+        body, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)
     return PieceResult(
         head=part(0) if n else None,
-        body=body,
-        body_lengths=np.array([a.size for a in body_ids], dtype=np.int64),
-        body_bytes=sum(len(raw[i]) for i in chosen if i != 0 and i != tail_index),
+        body=body.astype(dtype),
+        body_lengths=lengths,
+        body_bytes=sum(len(raw[i]) for i in inner),
         tail=part(tail_index) if tail_index is not None else None,
         bad_lines=bad,
     )
