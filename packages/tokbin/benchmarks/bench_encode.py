@@ -11,9 +11,8 @@ files into a temporary directory. Both tokenizers are trained on the same sample
                 (SentencePiece's default normalisation, which collapses runs of spaces before encoding)
   hf-tokenizers Tokenizer.encode_batch_fast (encode_batch where absent) on the same lines, already in
                 memory, with 1 and 2 rayon threads (each in its own subprocess: the rayon pool size is fixed at
-                first use); pre-tokenizers Metaspace (the SentencePiece convention) and ByteLevel (GPT-2). To keep
-                the run to a few minutes HF is timed on the first --hf-mb MB of the corpus files (default 10);
-                MB/s is a rate, the token counts are of that part
+                first use); pre-tokenizers Metaspace (the SentencePiece convention) and ByteLevel (GPT-2),
+                timed on the same corpus files as tokbin (--hf-mb times them on the first MB only)
 
 Runs alternate between tokbin and HF (1 thread each, then 2 threads each) so that load from other jobs on a
 shared machine falls on both. MB/CPU-s (user + system time of the process) is printed beside wall-clock MB/s
@@ -138,7 +137,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=None, help="corpus size in MB (default 50, --quick 10)")
     ap.add_argument("--train-mb", type=float, default=3.0, help="MB of the corpus both tokenizers train on")
     ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--hf-mb", type=float, default=10.0, help="MB of the corpus HF tokenizers is timed on")
+    ap.add_argument("--hf-mb", type=float, default=None, help="MB of the corpus HF is timed on (default: all of it)")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--files", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,7 +169,8 @@ def main() -> None:
         else:
             hf_paths = {pre: train_hf(sample, args.vocab, pre, tmp) for pre in ("metaspace", "bytelevel")}
 
-        hf_files = files[: max(1, round(len(files) * min(1.0, args.hf_mb * 1e6 / total)))]
+        hf_share = 1.0 if args.hf_mb is None else min(1.0, args.hf_mb * 1e6 / total)
+        hf_files = files[: max(1, round(len(files) * hf_share))]
         hf_total = sum(f.stat().st_size for f in hf_files)
         rows = []
 
