@@ -33,6 +33,12 @@ def _metrics(path, steps):
     return path
 
 
+def _hide(monkeypatch, package):
+    """Make ``package`` look uninstalled, submodules that earlier tests imported included."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")] or [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 def _one_line(text):
     lines = text.strip().splitlines()
     assert len(lines) == 1, text
@@ -41,7 +47,7 @@ def _one_line(text):
 
 @pytest.mark.parametrize("where", ["trainer", "engine"])
 def test_deepspeed_missing_is_one_line_naming_the_extra(where, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    _hide(monkeypatch, "deepspeed")
     cfg = _cfg(engine="deepspeed")
     with pytest.raises(MissingExtraError) as err:
         if where == "trainer":
@@ -55,7 +61,7 @@ def test_deepspeed_missing_is_one_line_naming_the_extra(where, monkeypatch, tmp_
 
 def test_plot_without_matplotlib_is_one_line_naming_the_extra(monkeypatch, tmp_path):
     metrics = _metrics(tmp_path / "metrics.jsonl", [1, 2, 3])
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    _hide(monkeypatch, "matplotlib")
     with pytest.raises(MissingExtraError) as err:
         plot_metrics(metrics, tmp_path / "m.png")
     assert _one_line(str(err.value)).endswith(f"needs matplotlib, which is not installed: pip install '{DIST}[plot]'")
@@ -63,7 +69,7 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(monkeypatch, tmp_p
 
 
 def test_inspector_without_matplotlib_writes_the_table_and_warns_once(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    _hide(monkeypatch, "matplotlib")
     grads = [("embed.weight", torch.ones(4, 3)), ("head.weight", torch.full((2, 3), 0.5))]
     table = inspect_gradients(grads, tmp_path, 7, ClipGroups([n for n, _ in grads], None, 1.0))
     assert table == tmp_path / "grads_step7.tsv" and len(table.read_text().splitlines()) == 3
@@ -93,7 +99,7 @@ def test_plots_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
     ("wandb", "wandb", {"tensorboard": False, "wandb_project": "p"}),
 ])  # fmt: skip
 def test_logger_asked_for_but_missing_warns_one_line(module, extra, kwargs, monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, module, None)
+    _hide(monkeypatch, module)
     logger = MetricsLogger(tmp_path, enabled=True, resume_step=None, **kwargs)
     logger.log({"step": 1, "loss": 2.0})
     logger.close()
