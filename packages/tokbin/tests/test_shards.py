@@ -178,3 +178,14 @@ def test_rerun_with_other_options_is_refused(tmp_path, inputs, lossless_model):
     encode_files(lossless_model, inputs, out, split_docs=True, shard_bytes=SHARD_BYTES, progress=False)
     with pytest.raises(TokenFileError, match=r"holds shards of another encode \(clean differ\)"):
         encode_files(lossless_model, inputs, out, split_docs=True, clean=True, shard_bytes=SHARD_BYTES, progress=False)
+
+
+def test_loader_reads_shards_as_it_reads_the_single_file(single, sharded):
+    from tokbin import Loader, RandomWindows
+
+    batches = []
+    for ds in (single, sharded):
+        with Loader(ds, RandomWindows(ds.n_tokens, 128, 4, seed=3)) as loader:
+            batches.append([next(loader) for _ in range(5)])
+    for (x, y), (xs, ys) in zip(*batches, strict=True):
+        assert np.array_equal(x.numpy(), xs.numpy()) and np.array_equal(y.numpy(), ys.numpy())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokbin.errors import TokenFileError
-from tokbin.tokenfile import TokenFile
+from tokbin.tokenfile import TokenFile, gather_windows
 from tokbin.writer import atomic_output
 
 if TYPE_CHECKING:
@@ -64,14 +63,6 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         f.write((json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
 
 
-def _window_view(tokens: np.ndarray, length: int) -> np.ndarray:
-    base = np.asarray(tokens)
-    step = base.strides[0]
-    return np.lib.stride_tricks.as_strided(
-        base, shape=(max(base.size - length + 1, 0), length), strides=(step, step), writeable=False
-    )
-
-
 class ShardedTokens:
     """The shards of a directory written by ``encode_files(..., shard_bytes=...)``, read as one token sequence.
 
@@ -109,7 +100,6 @@ class ShardedTokens:
         # shard i holds the global positions [_starts[i], _starts[i + 1])
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._doc_starts = np.concatenate([[0], np.cumsum([tf.n_docs for tf in self.shards], dtype=np.int64)])
-        self._views: dict[tuple[int, int], np.ndarray] = {}
         self._doc_offsets: np.ndarray | None = None
 
     vocab_size = property(lambda self: self.manifest["vocab_size"])
@@ -185,62 +175,38 @@ class ShardedTokens:
     def gather_many(
         self, starts_list: Sequence[np.ndarray], seq_len: int, *, pin_memory: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``TokenFile.gather_many`` over shards: rows inside one shard come from its strided window view in one
-        fancy-index copy per shard; the few rows that cross a shard end are copied piecewise.
+        """``TokenFile.gather_many`` over the shards (windows may cross a shard's end).
 
         Example: ``[(x0, y0), (x1, y1)] = ds.gather_many([starts0, starts1], 1024)``
         """
-        import torch
+        return gather_windows(self.read_windows, starts_list, seq_len, pin_memory)
 
-        arrays = [np.asarray(st, dtype=np.int64) for st in starts_list]
-        for st in arrays:
-            if st.ndim != 1 or seq_len < 1:
-                raise ValueError(f"gather: expected 1-D starts and seq_len >= 1, got shape {st.shape}, {seq_len}")
-        starts = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``TokenFile.read_windows`` over the shards: the rows inside one shard in one read of that shard, the few
+        that cross a shard's end copied piecewise.
+
+        Example: ``ds.read_windows(np.array([0, 4096]), 1025)  # (2, 1025) in the file dtype``
+        """
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.ndim != 1 or length < 1:
+            raise ValueError(f"read_windows: expected 1-D starts and length >= 1, got shape {starts.shape}, {length}")
         lo, hi = (int(starts.min()), int(starts.max())) if starts.size else (0, 0)
-        if lo < 0 or hi + seq_len + 1 > self.n_tokens:
+        if lo < 0 or hi + length > self.n_tokens:
             raise IndexError(
-                f"gather: windows of {seq_len + 1} tokens at starts {lo}..{hi} "
+                f"gather: windows of {length} tokens at starts {lo}..{hi} "
                 f"exceed the {self.n_tokens} tokens of {self.path}"
             )
-        width = seq_len + 1
-        rows = np.empty((starts.size, width), dtype=self.dtype)  # (B, T+1) in the file dtype
+        rows = np.empty((starts.size, length), dtype=self.dtype)
         shard_of = np.searchsorted(self._starts, starts, side="right") - 1
         local = starts - self._starts[shard_of]
         for s in np.unique(shard_of):
             sel = np.flatnonzero(shard_of == s)
-            inside = local[sel] + width <= self.shards[s].n_tokens
+            inside = local[sel] + length <= self.shards[s].n_tokens
             if inside.any():
-                rows[sel[inside]] = self._windows(int(s), width)[local[sel[inside]]]
+                rows[sel[inside]] = self.shards[s].read_windows(local[sel[inside]], length)
             for r in sel[~inside]:
-                rows[r] = self._span(int(starts[r]), width)
-        if pin_memory:
-            buffer = torch.empty((2, starts.size, seq_len), dtype=torch.int64, pin_memory=True)
-            both = buffer.numpy()
-        else:
-            both = np.empty((2, starts.size, seq_len), dtype=np.int64)
-        both[0] = rows[:, :-1]
-        both[1] = rows[:, 1:]
-        out, first = [], 0
-        for st in arrays:
-            last = first + st.size
-            if pin_memory:
-                out.append((buffer[0, first:last], buffer[1, first:last]))
-            else:
-                out.append((torch.from_numpy(both[0, first:last]), torch.from_numpy(both[1, first:last])))
-            first = last
-        return out
-
-    def _windows(self, shard: int, length: int) -> np.ndarray:
-        key = (shard, length)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) > 4 * len(self.shards):
-                self._views.clear()  # lengths change rarely (DynamicLength); keep the cache small
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                view = self._views[key] = _window_view(self.shards[shard].tokens, length)
-        return view
+                rows[r] = self._span(int(starts[r]), length)
+        return rows
 
     def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
         """``TokenFile.verify`` for every shard (checksums, ids, document index, tokenizer identity)."""
