@@ -25,7 +25,7 @@ def classify(exc):
     return "unsupported" if isinstance(exc, Unsupported) else "lost" if isinstance(exc, Lost) else "error"
 
 
-def counting_poller(name, period_s=0.0, group=None, columns=("v",), values=None, drop=None):
+def counting_poller(name, period_s=0.0, group=None, columns=("v",), values=None, drop=None, partial=False):
     """A poller that records each call; `values(n)` gives the n-th read's values (default: n for each column)."""
     calls = []
 
@@ -34,7 +34,8 @@ def counting_poller(name, period_s=0.0, group=None, columns=("v",), values=None,
         return values(len(calls) - 1) if values else [len(calls) - 1] * len(columns)
 
     cols = [f"{name}.{c}" for c in columns]
-    p = Poller(name, group or name, cols, ["count"] * len(cols), period_s, read, classify=classify, drop=drop)
+    units = ["count"] * len(cols)
+    p = Poller(name, group or name, cols, units, period_s, read, classify=classify, drop=drop, partial=partial)
     return p, calls
 
 
@@ -58,17 +59,20 @@ def test_reader_reads_each_poller_on_its_own_grid_and_asks_for_processing_per_ba
     assert all(not t.failed and t.error is None for t in ticks)
 
 
-def test_a_failed_read_asks_for_processing_at_once_and_a_lost_group_is_not_read_again_in_that_tick():
+@pytest.mark.parametrize("inline", [False, True], ids=["raised", "in place of a value (partial poller)"])
+def test_a_failed_read_asks_for_processing_at_once_and_a_lost_group_is_not_read_again_in_that_tick(inline):
     def gpu_reads(n):
+        if n == 2 and not inline:
+            raise Lost("GPU is lost")
         return [Lost("GPU is lost")] if n == 2 else [n]
 
-    memory, _ = counting_poller("gpu1.memory", group="gpu1", values=gpu_reads)
+    memory, _ = counting_poller("gpu1.memory", group="gpu1", values=gpu_reads, partial=inline)
     clocks, clock_calls = counting_poller("gpu1.clocks", group="gpu1")
     reader = Reader([memory, clocks], rate_hz=100, batch_ticks=100)
     assert [reader.tick(k / 100) for k in range(3)] == [False, False, True]
     third = reader.take()[-1]
     assert third.failed and [i for i, _ in third.reads] == [0]  # clocks skipped once memory said the GPU is lost
-    assert len(clock_calls) == 2
+    assert isinstance(third.reads[0][1][0], Lost) and len(clock_calls) == 2
 
 
 def test_retirement_takes_effect_at_the_next_tick_in_the_reading_call():
@@ -86,16 +90,34 @@ def test_retirement_takes_effect_at_the_next_tick_in_the_reading_call():
     assert len(power_calls) == 2 and [t.reads for t in reader.take()][-1] == []
 
 
-def test_a_bug_in_the_reader_is_queued_as_an_error_and_counted_by_the_processor():
-    broken = Poller("b", "b", ["b.v"], ["count"], 0.0, lambda: 7)  # not a sequence of values: a bug
-    reader = Reader([broken], rate_hz=100)
+def test_a_bug_in_the_reader_is_queued_as_an_error_and_counted_by_the_processor(monkeypatch):
+    ok, _ = counting_poller("ok")
+    reader = Reader([ok], rate_hz=100)
+
+    def broken(t):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(reader, "_read", broken)
     assert reader.tick(0.0) is True
     (ticked,) = reader.take()
-    assert isinstance(ticked.error, TypeError)
-    proc = processor_for([broken])
+    assert isinstance(ticked.error, KeyError) and ticked.reads == []
+    proc = processor_for([ok])
     assert proc.process([ticked], marks=[]) is None
     summary = proc.summary(busy_s=None, cpu_s=None)
-    assert summary.samples == 0 and list(summary.errors) == [f"sampler: TypeError: {ticked.error}"]
+    assert summary.samples == 0 and summary.errors == {"sampler: KeyError: 'a bug'": 1}
+
+
+def test_a_poller_that_breaks_its_contract_is_counted_and_the_others_recorded():
+    broken = Poller("b", "b", ["b.v"], ["count"], 0.0, lambda: 7)  # not one value per column: a bug
+    ok, _ = counting_poller("ok")
+    reader = Reader([broken, ok], rate_hz=100)
+    for k in range(3):
+        reader.tick(k / 100)
+    proc = processor_for([broken, ok])
+    proc.process(reader.take(), marks=[])
+    summary = proc.summary(busy_s=None, cpu_s=None)
+    assert summary.samples == 3 and summary.metrics["ok.v"]["reads"] == 3
+    assert sum(n for key, n in summary.errors.items() if key.startswith("sampler: TypeError")) == 3
 
 
 def test_processor_turns_reads_into_fresh_stale_and_failed_cells_with_marks_in_time_order(tmp_path):

@@ -153,6 +153,7 @@ class NVMLBackend:
                 ["mW", "mW", "mJ"],
                 fields.read,
                 drop=fields.drop,
+                partial=True,
                 counter_columns={f"{g}.energy_mj"},
             ),
             poller(

@@ -19,9 +19,10 @@ def count_everything_as_error(exc: BaseException) -> Failure:
 class Poller:
     """One read of a group of metrics.
 
-    `read()` returns one value per column; an element may be an exception instance when only that metric failed
-    (NVML field values report a status per field). `period_s` of 0 means every tick. `drop(column)` tells the poller
-    to stop asking for a column that failed as unsupported.
+    `read()` returns a list with one value per column, or raises when the read failed as a whole. A `partial`
+    poller may instead put an exception instance in place of a value when only that metric failed (NVML field values
+    report a status per field); the sampler then sees the failure at once. `period_s` of 0 means every tick.
+    `drop(column)` tells the poller to stop asking for a column that failed as unsupported.
     """
 
     name: str
@@ -34,6 +35,7 @@ class Poller:
     drop: Callable[[str], None] | None = None
     counter_columns: set[str] = field(default_factory=set)  # monotonically increasing (energy): summed as increases
     blocking: bool = False  # a call that can take milliseconds: the sampler runs it off the fast thread
+    partial: bool = False  # read() may return an exception in place of a value (see above)
 
     def __post_init__(self) -> None:
         if len(self.columns) != len(self.units):

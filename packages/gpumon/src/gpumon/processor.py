@@ -95,7 +95,10 @@ class Processor:
             for i, values in tick.reads:
                 if i in retired_pollers or (lost_groups and pollers[i].group in lost_groups):
                     continue  # dropped at an earlier tick of this batch, or read before the reader heard of it
-                record(i, values, t, cells, tick_events, dropped)
+                try:
+                    record(i, values, t, cells, tick_events, dropped)
+                except Exception as exc:  # a poller that broke its contract (not one value per column)
+                    self.count_internal_error(exc)
             add_tick(t)
             if writer is not None:
                 rows.extend(writer.event_line(*e) for e in tick_events)

@@ -166,21 +166,24 @@ class Reader:
         next_due = self._next_due
         early = t + 0.5 * self.period  # a poller due within half a tick from now is read at this tick
         for i, p, read, period_s in self._lane if self._lane is not None else self._build_lane():
-            if lost_now and p.group in lost_now:
-                continue
-            if period_s > 0:
+            if period_s:
                 if early < next_due[i]:
                     continue
                 next_due[i] = advance(next_due[i], t, period_s)
+            if lost_now and p.group in lost_now:
+                continue
             try:
                 values = read()
             except Exception as exc:
                 values = [exc] * len(p.columns)
-            for value in values:
-                if isinstance(value, BaseException):
-                    ticked.failed = True
-                    if p.failure(value) == "lost":
-                        lost_now = (lost_now or set()) | {p.group}
+                failed: BaseException | None = exc
+            else:
+                # only a partial poller returns an exception in place of a value; checked here, not per value
+                failed = next((v for v in values if isinstance(v, BaseException)), None) if p.partial else None
+            if failed is not None:
+                ticked.failed = True
+                if p.failure(failed) == "lost":
+                    lost_now = (lost_now or set()) | {p.group}
             reads.append((i, values))
         return ticked
 
