@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lmcore import GPT, ModelConfig, apply_lora
+from lmcore import GPT, ModelConfig, apply_lora, merge_lora
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(tie_embeddings=False, n_kv_head=2, activation="swiglu")])
@@ -48,6 +48,37 @@ def test_saved_precision_is_kept(tmp_path):
     assert GPT.from_pretrained(tmp_path).embed_tokens.weight.dtype == torch.bfloat16
 
 
-def test_lora_model_must_be_merged_before_save(tmp_path):
-    with pytest.raises(ValueError, match="merge_lora"):
-        apply_lora(GPT(ModelConfig.from_preset("tiny"))).save_pretrained(tmp_path)
+def test_consolidated_state_dict_is_written_in_the_one_layout(tmp_path):
+    """trainloop's checkpoints: save_pretrained(dir, state_dict=...) with both names of the tied head, on any device."""
+    model = GPT(ModelConfig.from_preset("tiny")).eval()
+    state = {k: v.clone() * 2 for k, v in model.state_dict().items()}  # not the model's own tensors
+    assert "lm_head.weight" in state
+    model.save_pretrained(tmp_path, state_dict=state)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in stored and torch.equal(stored["norm.weight"], state["norm.weight"])
+    loaded = GPT.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert torch.equal(loaded.embed_tokens.weight, state["embed_tokens.weight"])
+    prefixed = dict(state)
+    prefixed["module.norm.weight"] = prefixed.pop("norm.weight")  # a wrapper's name
+    with pytest.raises(ValueError, match=r"missing \['norm.weight'\], unexpected \['module.norm.weight'\]"):
+        model.save_pretrained(tmp_path / "bad", state_dict=prefixed)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_lora_model_round_trips_with_its_adapters(tmp_path):
+    torch.manual_seed(0)
+    model = apply_lora(GPT(ModelConfig.from_preset("tiny")), targets=("q", "v", "up"), r=4, alpha=8).eval()
+    with torch.no_grad():
+        model.layers[1].self_attn.q_proj.lora_B.normal_()  # an adapter that changes the output
+    model.save_pretrained(tmp_path)
+    loaded = GPT.from_pretrained(tmp_path).eval()
+    assert loaded.lora_settings == model.lora_settings
+    assert sorted(n for n, p in loaded.named_parameters() if p.requires_grad) == sorted(
+        n for n, p in model.named_parameters() if p.requires_grad
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    merged = merge_lora(loaded)
+    merged.save_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(GPT.from_pretrained(tmp_path / "merged").eval()(ids).logits, model(ids).logits)

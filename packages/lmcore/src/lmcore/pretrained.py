@@ -1,4 +1,11 @@
-"""save_pretrained / from_pretrained: `model.safetensors` plus `config.json`, checked against each other on load."""
+"""save_pretrained / from_pretrained: `model.safetensors` plus `config.json`, checked against each other on load.
+
+One layout for every use: `GPT.save_pretrained(dir)`, and trainloop's checkpoints, which call
+`save_pretrained(dir, state_dict=consolidated)` so that `GPT.from_pretrained(checkpoint_dir)` loads any checkpoint.
+A tied output head is stored once (under `embed_tokens.weight`). A model with LoRA adapters is saved as it is,
+base weights (`...q_proj.base.weight`) and adapters (`...q_proj.lora_A`) under the module's own names, with the
+adapter settings in the safetensors metadata; `from_pretrained` applies the adapters again before loading.
+"""
 
 from __future__ import annotations
 
@@ -7,69 +14,102 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from lmcore.config import ModelConfig
+from lmcore.lora import apply_lora, lora_modules
 
 if TYPE_CHECKING:
     from lmcore.model import GPT
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+LORA_METADATA = "lora_settings"
 
 
-def _storable_state(model: GPT) -> dict[str, torch.Tensor]:
+def _storable_names(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's state_dict less the tied output head: what the weights file holds, by name."""
     state = model.state_dict()
     if model.config.tie_embeddings:
         # safetensors refuses two names for one storage; the tie is restored from the config on load.
         state.pop("lm_head.weight", None)
-    return {k: v.detach().contiguous() for k, v in state.items()}
+    return state
 
 
-def save_pretrained(model: GPT, directory: str | Path) -> Path:
+def save_pretrained(model: GPT, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the weights (safetensors) and the config (JSON) of `model` into `directory`; returns the directory.
+
+    `state_dict` (None: the model's own) supplies the tensors under the model's state_dict names, e.g. weights
+    consolidated from several ranks; they are written in their own dtype. A name the model does not have, or one
+    it has that is missing, raises ValueError. Adapters of `apply_lora` are saved with the base weights (module
+    docstring); merge them first (`merge_lora`) for a plain model.
 
     Example:
         >>> save_pretrained(GPT(ModelConfig.from_preset("tiny")), "out/tiny")  # doctest: +SKIP
     """
-    if any("lora_" in name for name, _ in model.named_parameters()):
-        raise ValueError("model has LoRA adapters: merge_lora(model) first, or save the adapters with save_lora()")
+    expected = _storable_names(model)
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"save_pretrained: state_dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    metadata = {"format": "pt"}
+    if lora_modules(model):
+        metadata[LORA_METADATA] = json.dumps(model.lora_settings)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(_storable_state(model), str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata=metadata)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     return directory
+
+
+def read_config(directory: str | Path) -> ModelConfig:
+    """The ModelConfig of a save_pretrained directory (or checkpoint); ValueError naming the file when invalid."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (expected a save_pretrained directory)")
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc
 
 
 def load_pretrained(cls: type[GPT], directory: str | Path, map_location: str | torch.device = "cpu") -> GPT:
     """Build `cls(config)` from `directory/config.json` and load `directory/model.safetensors` into it.
 
     A key missing from or unexpected in the weights, or a shape that differs from what the config
-    implies, raises ValueError naming the key and both shapes.
+    implies, raises ValueError naming the key and both shapes. Saved adapters come back as LoRA modules.
     """
     directory = Path(directory)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} not found (expected a save_pretrained directory)")
-    try:
-        config = ModelConfig.from_dict(json.loads((directory / CONFIG_NAME).read_text()))
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{directory / CONFIG_NAME}: {exc}") from exc
+    config = read_config(directory)
+    weights_path = directory / WEIGHTS_NAME
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} not found (expected a save_pretrained directory)")
+    with safe_open(str(weights_path), framework="pt", device=str(map_location)) as f:
+        metadata = f.metadata() or {}
+        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
     model = cls(config)
-    expected = _storable_state(model)
-    weights = load_file(str(directory / WEIGHTS_NAME), device=str(map_location))
+    if LORA_METADATA in metadata:
+        settings = json.loads(metadata[LORA_METADATA])
+        apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"])
+    expected = _storable_names(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise ValueError(
-            f"{directory / WEIGHTS_NAME} does not match {directory / CONFIG_NAME}: "
+            f"{weights_path} does not match {directory / CONFIG_NAME}: "
             f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for key, tensor in weights.items():
         if tensor.shape != expected[key].shape:
             raise ValueError(
-                f"{directory / WEIGHTS_NAME}: {key} has shape {tuple(tensor.shape)} but {directory / CONFIG_NAME} "
+                f"{weights_path}: {key} has shape {tuple(tensor.shape)} but {directory / CONFIG_NAME} "
                 f"implies {tuple(expected[key].shape)}"
             )
     model.to(device=map_location, dtype=weights["embed_tokens.weight"].dtype)  # keep the saved precision

@@ -1,0 +1,210 @@
+"""Any lmcore model as a Hugging Face directory with its own code (`trust_remote_code=True`).
+
+The directory holds copies of the lmcore and alibi-kernels source files the model needs, their package imports
+rewritten to relative ones, so the code that runs is this toolkit's own model, with no import of lmcore:
+transformers copies the files into its module cache and imports them. A thin `PreTrainedModel` wraps `GPT`
+(attention on the torch path: SDPA with the ALiBi bias, on every device). Weights are the model's own state_dict
+under `model.`; the tied output head is stored once.
+
+Generation through `transformers.GenerationMixin` recomputes the whole sequence for each new token (no KV cache
+in this wrapper) and takes no padding (an attention_mask with zeros is an error): exact, but slower than the MPT
+export, which transformers decodes with its cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from lmcore.model import GPT
+
+MODEL_TYPE = "lmcore_gpt"
+# Source module -> file name in the export; every package import among them becomes a relative one.
+SOURCE_FILES = {
+    "alibi_kernels.slopes": "alibi_kernels_slopes",
+    "alibi_kernels.validation": "alibi_kernels_validation",
+    "alibi_kernels.attention_torch": "alibi_kernels_attention_torch",
+    "lmcore.config": "lmcore_config",
+    "lmcore.documents": "lmcore_documents",
+    "lmcore.init_schemes": "lmcore_init_schemes",
+    "lmcore.lora": "lmcore_lora",
+    "lmcore.pretrained": "lmcore_pretrained",
+    "lmcore.model": "lmcore_model",
+}
+# `import alibi_kernels` in the copies resolves to this: the torch path of `alibi_attention` and
+# `alibi_attention_varlen` (same signatures; the Triton kernels are not shipped).
+ALIBI_SHIM = '''"""alibi_kernels' public attention calls on the torch path only (the Triton kernels are not shipped)."""
+
+from .alibi_kernels_attention_torch import torch_attention_checked, torch_varlen_checked
+from .alibi_kernels_slopes import alibi_slopes  # noqa: F401 (re-exported for lmcore_model)
+from .alibi_kernels_validation import check_attention_inputs, check_varlen_inputs
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def alibi_attention(q, k, v, slopes=None, *, causal=True, softmax_scale=None, backend="auto"):
+    shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
+    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
+
+
+def alibi_attention_varlen(
+    q, k, v, cu_seqlens, max_seqlen=None, slopes=None, *, causal=True, softmax_scale=None, backend="auto"
+):
+    shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, slopes, softmax_scale, True)
+    return torch_varlen_checked(q, k, v, shape, slopes_2d, scale, causal)
+'''
+CONFIGURATION = '''"""The Hugging Face config of an lmcore GPT: the lmcore ModelConfig fields under `lmcore`."""
+
+from transformers import PretrainedConfig
+
+from .lmcore_config import ModelConfig
+
+
+class LmcoreConfig(PretrainedConfig):
+    model_type = "%(model_type)s"
+
+    def __init__(self, lmcore=None, **kwargs):
+        self.lmcore = dict(lmcore or {})
+        config = ModelConfig.from_dict(self.lmcore) if lmcore else None
+        if config is not None:
+            self.vocab_size = config.vocab_size
+            self.hidden_size = config.d_model
+            self.num_hidden_layers = config.n_layer
+            self.num_attention_heads = config.n_head
+            kwargs.setdefault("tie_word_embeddings", config.tie_embeddings)
+        kwargs.setdefault("use_cache", False)
+        super().__init__(**kwargs)
+'''
+MODELING = '''"""transformers' causal-LM interface around the lmcore GPT, whose code is in the lmcore_*.py files."""
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from .configuration_lmcore import LmcoreConfig
+from .lmcore_model import GPT, ModelConfig
+
+
+class LmcoreForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = LmcoreConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        model_config = ModelConfig.from_dict({**config.lmcore, "attention_backend": "torch"})
+        self.model = GPT(model_config)
+        if model_config.tie_embeddings:
+            self._tied_weights_keys = {"model.lm_head.weight": "model.embed_tokens.weight"}
+        self.post_init()
+
+    def _init_weights(self, module):
+        # Weights come from the checkpoint; the fixed ALiBi slopes are a buffer that no checkpoint carries.
+        if hasattr(module, "slopes") and not hasattr(module, "log_slopes"):
+            from .alibi_kernels_slopes import alibi_slopes
+
+            module.slopes = alibi_slopes(module.n_head).to(module.slopes.device)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        # No KV cache: every step runs the whole sequence.
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, return_dict=None, **kwargs):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("this model takes no padding: pass unpadded sequences of equal length")
+        logits = self.model(input_ids).logits  # (B, T, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutput(loss=loss, logits=logits)
+'''
+
+
+def _relative_source(module_name: str) -> str:
+    """The source of `module_name` with its imports of lmcore and alibi_kernels made relative to the export."""
+    text = inspect.getsource(importlib.import_module(module_name))
+
+    def rewrite(match: re.Match[str]) -> str:
+        target = match.group(2)
+        local = "alibi_kernels" if target == "alibi_kernels" else SOURCE_FILES.get(target)
+        if local is None:
+            raise RuntimeError(f"{module_name} imports {target}, which the custom-code export does not ship")
+        return f"{match.group(1)}from .{local} import"
+
+    return re.sub(r"^(\s*)from ((?:lmcore|alibi_kernels)(?:\.\w+)?) import", rewrite, text, flags=re.MULTILINE)
+
+
+def write_custom_code(directory: str | Path) -> list[str]:
+    """Write the configuration, modeling and lmcore source files into `directory`; returns the file names.
+
+    Example:
+        >>> write_custom_code("out/custom")  # doctest: +SKIP
+        ['alibi_kernels.py', ..., 'configuration_lmcore.py', 'modeling_lmcore.py']
+    """
+    directory = Path(directory)
+    files = {f"{local}.py": _relative_source(module) for module, local in SOURCE_FILES.items()}
+    files["alibi_kernels.py"] = ALIBI_SHIM
+    files["configuration_lmcore.py"] = CONFIGURATION % {"model_type": MODEL_TYPE}
+    files["modeling_lmcore.py"] = MODELING
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return sorted(files)
+
+
+def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None = None) -> Path:
+    """Write `model` as a transformers directory with its own code: config.json (with `auto_map`), model.safetensors
+    and the code files. `extra_config` adds keys to config.json (e.g. `eos_token_id`). Adapters must be merged first.
+
+    Load it with `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`.
+
+    Example:
+        >>> save_custom(GPT(ModelConfig.from_preset("tiny", activation="swiglu")), "out/custom")  # doctest: +SKIP
+    """
+    from lmcore.lora import lora_modules
+
+    if lora_modules(model):
+        raise ValueError("the custom-code export takes a plain model: merge_lora(model) first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_custom_code(directory)
+    state = model.state_dict()
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight")
+    tensors = {f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    config = {
+        "architectures": ["LmcoreForCausalLM"],
+        "model_type": MODEL_TYPE,
+        "auto_map": {
+            "AutoConfig": "configuration_lmcore.LmcoreConfig",
+            "AutoModelForCausalLM": "modeling_lmcore.LmcoreForCausalLM",
+        },
+        "lmcore": model.config.to_dict(),
+        "vocab_size": model.config.vocab_size,
+        "tie_word_embeddings": model.config.tie_embeddings,
+        "use_cache": False,
+        "dtype": dtype,
+        **(extra_config or {}),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
