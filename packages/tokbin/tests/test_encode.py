@@ -289,7 +289,7 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, lossless_model):
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "needs pyarrow: pip install 'tokbin[parquet]'" in out.stdout, out.stderr
+    assert "needs pyarrow: pip install 'lmtools-tokbin[parquet]'" in out.stdout, out.stderr
     assert "x.parquet" in out.stdout
 
 

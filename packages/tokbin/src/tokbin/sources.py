@@ -22,7 +22,7 @@ FORMATS = ("text", "jsonl", "parquet")
 PIECE_BYTES = 1 << 20
 _COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _FORMAT_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet",)}
-PARQUET_EXTRA = "pip install 'tokbin[parquet]'"
+PARQUET_EXTRA = "pip install 'lmtools-tokbin[parquet]'"
 
 
 @dataclass(frozen=True)
