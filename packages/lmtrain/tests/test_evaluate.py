@@ -1,4 +1,6 @@
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -53,3 +55,123 @@ def test_metrics_from_nll():
     assert math.isclose(m["loss"], 2.0) and math.isclose(m["token_ppl"], math.exp(2.0))
     assert math.isclose(m["bits_per_byte"], 10.0 / math.log(2) / 13)
     assert math.isclose(m["word_ppl"], math.exp(10.0 / 6))
+
+
+# ---------------------------------------------------------------------------------------------- the commands
+# On a tiny trained run (trained_runs.py): device, precision, checkpoint choice and torchrun.
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from trained_runs import tiny_run
+
+    return tiny_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def val_text(run):
+    text = run.parent / "input.txt"
+    val = run.parent / "val.txt"
+    val.write_text(text.read_text(encoding="utf-8")[-6000:], encoding="utf-8")  # about 200 windows of 32
+    return val
+
+
+def eval_json(capsys, run, val, *flags: str) -> dict:
+    from lmtrain.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--text", str(val), "--json", "--context", "32", "--stride", "16",
+                 *flags]) == 0  # fmt: skip
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "command,flags,named",
+    [
+        ("eval", ["--device", "cuda"], "--device cuda: no CUDA device is visible"),
+        ("generate", ["--device", "cuda:0"], "--device cuda:0: no CUDA device is visible"),
+        ("eval", ["--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+        ("eval", ["--dtype", "fp16", "--device", "cpu"], "--dtype fp16 needs a GPU"),
+        ("generate", ["--dtype", "fp8"], "--dtype 'fp8': expected one of fp32, bf16, fp16"),
+        ("eval", ["--checkpoint", "7"], "no checkpoint for step 7 (steps present: 2, 4)"),
+        ("generate", ["--checkpoint", "nowhere"], "checkpoint 'nowhere': not 'latest', 'best'"),
+    ],
+)
+def test_bad_device_dtype_or_checkpoint_is_one_line_exit_2(run, val_text, capsys, command, flags, named):
+    from lmtrain.cli import main
+
+    if "cuda" in flags[1] and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    target = ["--text", str(val_text)] if command == "eval" else ["--prompt", "def"]
+    capsys.readouterr()
+    assert main([command, "--run", str(run), *target, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lmtrain {command}: error: ") and named in err[0], err
+
+
+def test_eval_and_generate_pick_the_checkpoint_and_say_what_they_fell_back_to(run, val_text, capsys, tmp_path):
+    import shutil
+
+    from trained_runs import variant_run
+
+    from lmtrain.sample import generate_text
+
+    best = json.loads((run / "checkpoints" / "best.json").read_text())["checkpoint"]
+    assert eval_json(capsys, run, val_text)["checkpoint"].endswith(best)  # default: the best evaluated
+    by_step = {step: eval_json(capsys, run, val_text, "--checkpoint", str(step)) for step in (2, 4)}
+    assert by_step[2]["loss"] != by_step[4]["loss"]
+    assert eval_json(capsys, run, val_text, "--checkpoint", "latest")["loss"] == by_step[4]["loss"]
+
+    from lmtrain.run_files import load_trained_model
+
+    model = load_trained_model(run, checkpoint=2)[0]
+    copy = variant_run(run, tmp_path / "run", {2: model})  # no evaluation: best falls back to the latest
+    capsys.readouterr()
+    result = eval_json(capsys, copy, val_text)
+    assert result["loss"] == pytest.approx(by_step[2]["loss"], rel=1e-12)
+    notes = []
+    sample = generate_text(str(copy), "def", max_new_tokens=5, temperature=0, on_note=notes.append)
+    assert notes == ["no evaluated best checkpoint in this run; using the latest"]
+    assert sample == generate_text(str(run), "def", max_new_tokens=5, temperature=0, checkpoint="2")
+
+    shutil.copytree(run / "checkpoints", copy / "checkpoints", dirs_exist_ok=True)  # best.json -> step 4
+    (copy / "checkpoints" / best / "model.safetensors").write_bytes(b"truncated")
+    from lmtrain.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", "--run", str(copy), "--text", str(val_text), "--json", "--context", "32"]) == 0
+    captured = capsys.readouterr()
+    assert f"best checkpoint {best} is unusable" in captured.err and "using the latest" in captured.err
+    assert json.loads(captured.out)["checkpoint"].endswith("step_00000002")  # the newest complete one
+
+
+def test_bf16_eval_is_close_to_fp32(run, val_text, capsys):
+    fp32 = eval_json(capsys, run, val_text)
+    bf16 = eval_json(capsys, run, val_text, "--dtype", "bf16", "--device", "cpu")
+    assert bf16["dtype"] == "bf16" and bf16["device"] == "cpu"
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=1e-2) and bf16["loss"] != fp32["loss"]
+
+
+def test_two_ranks_under_torchrun_give_the_one_process_figures(run, val_text, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    one = eval_json(capsys, run, val_text, "--seeds", "0", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # "--" ends torchrun's own options: its parser would take lmtrain's --run for an abbreviation of --run-path.
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "-m",
+               "--", "lmtrain", "eval", "--run", str(run), "--text", str(val_text), "--json", "--context", "32",
+               "--stride", "16", "--seeds", "0", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 prints, rank 1 does not
+    two = json.loads(lines[0])
+    assert two["ranks"] == 2 and one["ranks"] == 1 and two["tokens"] == one["tokens"]
+    for key in ("loss", "bits_per_byte", "loss_std"):
+        assert two[key] == pytest.approx(one[key], rel=1e-6)
+    assert [r["loss"] for r in two["runs"]] == pytest.approx([r["loss"] for r in one["runs"]], rel=1e-6)

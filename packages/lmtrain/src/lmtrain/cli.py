@@ -1,4 +1,4 @@
-"""The `lmtrain` command line: prepare, train, eval, generate, doctor, demo.
+"""The `lmtrain` command line: prepare, train, eval, generate, export, doctor, demo.
 
 The flags below are relied on by users' scripts; keep them. Each subcommand's work lives in its own module,
 imported only when that subcommand runs, so that `lmtrain --help` stays fast and works even where torch or
@@ -115,12 +115,31 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        metavar="best|latest|STEP|PATH",
+        help="which checkpoint: the best evaluated (default; the latest when the run has no evaluation, with a note), "
+        "the newest complete, a step number or a checkpoint directory",
+    )
+
+
+def _add_device_flags(p: argparse.ArgumentParser) -> None:
+    _add_checkpoint_flags(p)
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument(
+        "--dtype", default="fp32", metavar="fp32|bf16|fp16", help="weights and activations (default fp32; fp16: GPU)"
+    )
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
         help="sliding-window evaluation of a text file",
-        description="Evaluate the run's latest checkpoint on a text file with the run's tokenizer, in sliding "
-        "windows over the whole text (every token scored exactly once).",
+        description="Evaluate a checkpoint of the run on a text file with the run's tokenizer, in sliding windows "
+        "over the whole text (every token scored exactly once). Under torchrun the windows are split across the "
+        "ranks and the sums all-reduced: the same figures as one process.",
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
     p.add_argument("--text", required=True, metavar="FILE", help="text file to evaluate")
@@ -135,6 +154,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="seeds; each shifts the window grid by a seed-derived offset (protocol: mean and std over all runs)",
     )
+    _add_device_flags(p)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +165,31 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int, default=None)
+    _add_device_flags(p)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (with its tokenizer)",
+        description="Write a checkpoint of the run as a directory transformers loads: --format hf is transformers' "
+        "own MPT (no custom code; models without biases, LayerNorm, GELU, d_ff = 4 d_model, no GQA), --format "
+        "hf-custom carries its own code (trust_remote_code=True; any model). The tokenizer is converted and checked "
+        "to give the same ids. Needs the hf extra (transformers, peft).",
+    )
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
+    p.add_argument("--format", required=True, metavar="hf|hf-custom", help="hf (MPT) or hf-custom (own code)")
+    _add_checkpoint_flags(p)
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument(
+        "--max-seq-len", type=int, default=None, help="longest input of the MPT export (default: 4 training contexts)"
+    )
+    p.add_argument("--lora", default=None, metavar="FILE", help="LoRA adapters from lmcore's save_lora to export")
+    p.add_argument(
+        "--merge-lora", action="store_true", help="fold LoRA adapters into the weights instead of a PEFT adapter"
+    )
+    p.add_argument("--no-tokenizer", action="store_true", help="export the model alone")
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
@@ -180,11 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="lmtrain",
-        description="Train ALiBi GPT models: prepare data, train, evaluate, generate, preflight checks, demo.",
+        description="Train ALiBi GPT models: prepare data, train, evaluate, generate, export, preflight checks, demo.",
     )
     parser.add_argument("--version", action="version", version=f"lmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_doctor, _add_demo):
+    for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_export, _add_doctor, _add_demo):
         add(sub)
     return parser
 
@@ -201,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lmtrain.evaluate import run_eval as run
     elif args.command == "generate":
         from lmtrain.sample import run_generate as run
+    elif args.command == "export":
+        from lmtrain.export import run_export as run
     elif args.command == "doctor":
         from lmtrain.doctor import run_doctor as run
     else:

@@ -5,6 +5,11 @@ Every token of the text is scored exactly once. The text is encoded losslessly i
 to the information needed for every byte of the file: bits per byte = sum of token losses / ln 2 / UTF-8 bytes.
 Windows hold up to `context` tokens and advance by `stride`; each window scores only the tokens after the
 previous window's end, so every scored token after the first window sees at least `context - stride` tokens.
+
+Any device and precision (`--device`, `--dtype`), any checkpoint (`--checkpoint`, default the best evaluated one).
+Under torchrun (RANK and WORLD_SIZE set) each rank scores every world_size-th batch of windows and the sums are
+all-reduced (gloo on CPU, nccl on CUDA): per-token losses are summed in float64, so the figures equal one
+process's to rounding.
 """
 
 from __future__ import annotations
@@ -24,6 +29,64 @@ import torch.nn.functional as F
 from lmtrain.errors import LmtrainError
 
 METRICS = ("loss", "token_ppl", "bits_per_byte", "word_ppl")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device of `--device NAME`: None is cuda when torch sees a GPU, else cpu; a GPU that is not there is a
+    one-line LmtrainError.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise LmtrainError(f"--device {name!r}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LmtrainError(f"--device {name}: no CUDA device is visible to torch on this machine; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise LmtrainError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type != "cpu":
+        raise LmtrainError(f"--device {name!r}: expected cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype of `--dtype NAME` (fp32, bf16, fp16) on `device`; fp16 on the CPU is refused in one line
+    (CPU half-precision matmuls are slow and the torch attention path computes in fp32 there anyway).
+
+    Example:
+        >>> resolve_dtype("bf16", torch.device("cpu"))
+        torch.bfloat16
+    """
+    if name not in DTYPES:
+        raise LmtrainError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    if name == "fp16" and device.type == "cpu":
+        raise LmtrainError("--dtype fp16 needs a GPU: on the CPU use --dtype bf16 or fp32")
+    return DTYPES[name]
+
+
+def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """(rank, world_size, this rank's device): joins torchrun's process group when WORLD_SIZE > 1 (gloo on CPU,
+    nccl on CUDA, where each rank takes cuda:LOCAL_RANK); (0, 1, device) otherwise."""
+    import torch.distributed as dist
+
+    from trainloop.distributed import env_world
+
+    rank, local_rank, world = env_world()
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def window_plan(n_targets: int, context: int, stride: int, offset: int = 0) -> list[tuple[int, int, int]]:
@@ -53,9 +116,20 @@ def window_plan(n_targets: int, context: int, stride: int, offset: int = 0) -> l
 
 @torch.no_grad()
 def sliding_window_nll(
-    model: torch.nn.Module, tokens: torch.Tensor, context: int, stride: int, *, offset: int = 0, batch_size: int = 8
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    context: int,
+    stride: int,
+    *,
+    offset: int = 0,
+    batch_size: int = 8,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[float, int]:
     """(sum of negative log-likelihoods in nats, number of scored tokens) of `tokens[1:]` given what precedes.
+
+    With `world_size` > 1 (an initialised process group) this rank scores batches rank, rank + world_size, ...
+    and the sums are all-reduced, so every rank returns the whole text's figures.
 
     Example:
         >>> nll, n = sliding_window_nll(model, torch.tensor([0, 5, 9, 2]), context=256, stride=128)  # doctest: +SKIP
@@ -66,25 +140,33 @@ def sliding_window_nll(
         raise LmtrainError("the text encodes to no token to score")
     device = next(model.parameters()).device
     plan = window_plan(n_targets, context, stride, offset)
-    total, count = 0.0, 0
     # Windows of equal length batch together; at most the first and the last differ.
     groups: dict[int, list[tuple[int, int, int]]] = {}
     for window in plan:
         groups.setdefault(window[1] - window[0], []).append(window)
-    for windows in groups.values():
-        for i in range(0, len(windows), batch_size):
-            chunk = windows[i : i + batch_size]
-            inputs = torch.stack([tokens[s:e] for s, e, _ in chunk]).to(device)  # (B, T)
-            targets = torch.stack([tokens[s + 1 : e + 1] for s, e, _ in chunk]).to(device)  # (B, T)
-            for row, (s, _, first) in enumerate(chunk):
-                targets[row, : first - s] = -100  # already scored by the previous window
-            logits = model(inputs).logits.float()  # (B, T, V)
-            nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
-            total += float(nll)
-            count += int((targets != -100).sum())
-    if count != n_targets:  # every target exactly once: the plan's invariant
-        raise RuntimeError(f"scored {count} tokens, expected {n_targets}")
-    return total, count
+    batches = [windows[i : i + batch_size] for windows in groups.values() for i in range(0, len(windows), batch_size)]
+    # Summed in float64 on the device: one host read at the end, and the order of the sums (which batches a rank
+    # got) changes the total only at float64 rounding.
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for chunk in batches[rank::world_size]:
+        inputs = torch.stack([tokens[s:e] for s, e, _ in chunk]).to(device)  # (B, T)
+        targets = torch.stack([tokens[s + 1 : e + 1] for s, e, _ in chunk]).to(device)  # (B, T)
+        for row, (s, _, first) in enumerate(chunk):
+            targets[row, : first - s] = -100  # already scored by the previous window
+        logits = model(inputs).logits.float()  # (B, T, V)
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
+        total += nll.double().sum()
+        count += (targets != -100).sum()
+    sums = torch.stack([total, count]).cpu()
+    if world_size > 1:
+        from trainloop.distributed import all_reduce_sum
+
+        sums = all_reduce_sum(sums)
+    total_nll, scored = float(sums[0]), int(sums[1])
+    if scored != n_targets:  # every target exactly once: the plan's invariant
+        raise RuntimeError(f"scored {scored} tokens, expected {n_targets}")
+    return total_nll, scored
 
 
 def text_stats(text: str) -> dict[str, int]:
@@ -123,12 +205,15 @@ def evaluate_text(
     eos_id: int | None,
     repeat: int = 1,
     seeds: list[int] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """Evaluate `text`; with repeats or seeds, also the mean and standard deviation of each metric.
 
     Each seed shifts the window grid by an offset drawn from [0, stride) (seed 0 without --seeds: no shift) and
     seeds torch; each repeat re-runs the same windows (on CPU the repeats agree exactly; on GPU they measure the
-    kernels' run-to-run variation).
+    kernels' run-to-run variation). `rank`/`world_size` split the windows over a process group (see
+    `sliding_window_nll`).
 
     Example:
         >>> evaluate_text(model, sp, "To be, or not to be", context=64, stride=32, eos_id=2)["tokens"]  # doctest: +SKIP
@@ -140,7 +225,7 @@ def evaluate_text(
         offset = 0 if seed is None else random.Random(seed).randrange(stride)
         for r in range(repeat):
             torch.manual_seed(0 if seed is None else seed)
-            nll, n = sliding_window_nll(model, ids, context, stride, offset=offset)
+            nll, n = sliding_window_nll(model, ids, context, stride, offset=offset, rank=rank, world_size=world_size)
             runs.append({"seed": seed, "repeat": r, "offset": offset, **metrics_from_nll(nll, n, stats)})
     result: dict[str, Any] = {
         "tokens": len(ids) - (1 if len(ids) and eos_id is not None and eos_id >= 0 else 0),
@@ -160,7 +245,9 @@ def evaluate_text(
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """The `lmtrain eval` command."""
+    """The `lmtrain eval` command (one process, or every rank of a torchrun job; rank 0 prints)."""
+    import torch.distributed as dist
+
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
     if args.repeat < 1:
@@ -170,15 +257,30 @@ def run_eval(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise LmtrainError(f"--text {path}: cannot read UTF-8 text: {exc}") from None
-    model, run, checkpoint = load_trained_model(args.run)
-    sp = load_tokenizer(args.run)
-    context = args.context or run["data_config"]["seq_len"]
-    stride = args.stride or max(1, context // 2)
-    result = evaluate_text(
-        model, sp, text, context=context, stride=stride, eos_id=run.get("eos_id"), repeat=args.repeat, seeds=args.seeds
-    )
-    result["checkpoint"] = str(checkpoint)
-    result["text"] = str(path)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    rank, world_size, device = init_distributed(device)
+    try:
+        model, run, checkpoint = load_trained_model(
+            args.run,
+            str(device),
+            checkpoint=args.checkpoint,
+            dtype=dtype,
+            on_note=lambda note: rank == 0 and print(f"lmtrain eval: {note}", file=sys.stderr),
+        )
+        sp = load_tokenizer(args.run)
+        context = args.context or run["data_config"]["seq_len"]
+        stride = args.stride or max(1, context // 2)
+        result = evaluate_text(
+            model, sp, text, context=context, stride=stride, eos_id=run.get("eos_id"), repeat=args.repeat,
+            seeds=args.seeds, rank=rank, world_size=world_size,
+        )  # fmt: skip
+    finally:
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    result.update(checkpoint=str(checkpoint), text=str(path), device=str(device), dtype=args.dtype, ranks=world_size)
     if not result["lossless_encoding"]:
         print(f"warning: the tokenizer does not round-trip {path}; bits per byte is not exact", file=sys.stderr)
     if args.json:
@@ -191,6 +293,6 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{path}: {result['tokens']:,} tokens, {result['bytes']:,} bytes, {result['words']:,} words\n"
             f"loss {result['loss']:.4f} nats/token, token ppl {result['token_ppl']:.2f}, "
             f"bits/byte {result['bits_per_byte']:.4f}{spread}, word ppl {result['word_ppl']:.2f}\n"
-            f"checkpoint {checkpoint}, context {context}, stride {stride}"
+            f"checkpoint {checkpoint}, context {context}, stride {stride}, {device} {args.dtype}, {world_size} rank(s)"
         )
     return 0

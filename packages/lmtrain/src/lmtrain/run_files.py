@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,33 +94,56 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     return read_json(Path(run_dir) / RUN_FILE, "written by `lmtrain train`")
 
 
-def load_trained_model(run_dir: str | os.PathLike, map_location: str = "cpu") -> tuple[Any, dict[str, Any], Path]:
-    """(GPT in eval mode with the latest checkpoint's weights, run.json, checkpoint path).
+def load_trained_model(
+    run_dir: str | os.PathLike,
+    map_location: str = "cpu",
+    *,
+    checkpoint: str | int = "latest",
+    dtype: Any = None,
+    on_note: Callable[[str], None] | None = None,
+) -> tuple[Any, dict[str, Any], Path]:
+    """(GPT in eval mode with a checkpoint's weights, run.json, checkpoint path).
+
+    `checkpoint`: "latest" (newest complete), "best" (best evaluation; the latest when the run has none), a step
+    or a checkpoint directory, as trainloop's `CheckpointStore.resolve` takes it. `on_note` receives each note on
+    what was skipped or fallen back from (e.g. "no evaluated best checkpoint in this run; using the latest").
+    `dtype` (a torch dtype) casts the weights after loading; None keeps the checkpoint's (fp32).
 
     Example:
-        >>> model, run, ckpt = load_trained_model("runs/demo")  # doctest: +SKIP
+        >>> model, run, ckpt = load_trained_model("runs/demo", checkpoint="best", on_note=print)  # doctest: +SKIP
     """
     from lmcore import GPT, ModelConfig
-    from trainloop import latest_checkpoint, load_model_weights
+    from trainloop.checkpoint import CheckpointError, CheckpointStore, load_model_weights
 
     run = read_run(run_dir)
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise LmtrainError(f"{run_dir}: no complete checkpoint yet; train first (`lmtrain train --out {run_dir}`)")
-    model = GPT(ModelConfig.from_dict(run["model_config"]))
-    state = load_model_weights(checkpoint)
-    # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
-    state = {_strip_prefix(k): v for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # A tied output head has no tensor of its own in some formats.
-    missing = [m for m in missing if not m.endswith("lm_head.weight")]
-    if missing or unexpected:
-        raise LmtrainError(
-            f"{checkpoint}: weights do not match the run's model config (missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]})"
-        )
-    model.to(map_location).eval()
-    return model, run, checkpoint
+    try:
+        path, notes = CheckpointStore(run_dir).resolve(checkpoint)
+    except CheckpointError as exc:
+        raise LmtrainError(str(exc)) from None
+    for note in notes:
+        if on_note is not None:
+            on_note(note)
+    if (path / "config.json").is_file():
+        # The checkpoint's own layout (lmcore's save_pretrained): its config, its weights, adapters included.
+        try:
+            model = GPT.from_pretrained(path)
+        except (ValueError, OSError) as exc:
+            raise LmtrainError(f"{path}: unusable checkpoint: {exc}") from None
+    else:
+        model = GPT(ModelConfig.from_dict(run["model_config"]))
+        state = load_model_weights(path)
+        # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
+        state = {_strip_prefix(k): v for k, v in state.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # A tied output head has no tensor of its own in some formats.
+        missing = [m for m in missing if not m.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise LmtrainError(
+                f"{path}: weights do not match the run's model config (missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]})"
+            )
+    model.to(device=map_location, dtype=dtype).eval()
+    return model, run, path
 
 
 def _strip_prefix(name: str) -> str:

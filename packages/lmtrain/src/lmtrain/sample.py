@@ -1,8 +1,10 @@
-"""`lmtrain generate`: continue a prompt with the run's latest checkpoint."""
+"""`lmtrain generate`: continue a prompt with a checkpoint of the run (the best evaluated one by default)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 from lmtrain.errors import LmtrainError
 
@@ -15,8 +17,15 @@ def generate_text(
     temperature: float = 0.8,
     top_k: int | None = 200,
     seed: int | None = None,
+    checkpoint: str = "best",
+    device: str | None = None,
+    dtype: str = "fp32",
+    on_note: Callable[[str], None] | None = None,
 ) -> str:
     """The prompt followed by up to `max_new_tokens` sampled tokens, as text.
+
+    `checkpoint`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
+    takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken.
 
     Example:
         >>> print(generate_text("runs/demo", "def main(", max_new_tokens=50, seed=0))  # doctest: +SKIP
@@ -24,6 +33,7 @@ def generate_text(
     import torch
 
     from lmcore import generate
+    from lmtrain.evaluate import resolve_device, resolve_dtype
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from lmtrain.text_codec import decode, encode
 
@@ -33,7 +43,10 @@ def generate_text(
         raise LmtrainError(f"--temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise LmtrainError(f"--top-k must be >= 1, got {top_k}")
-    model, run, _ = load_trained_model(run_dir)
+    where = resolve_device(device)
+    model, run, _ = load_trained_model(
+        run_dir, str(where), checkpoint=checkpoint, dtype=resolve_dtype(dtype, where), on_note=on_note
+    )
     sp = load_tokenizer(run_dir)
     eos_id = run.get("eos_id")
     ids = encode(sp, prompt)
@@ -46,7 +59,7 @@ def generate_text(
     top_k = None if top_k is None else min(top_k, model.config.vocab_size)
     out = generate(
         model,
-        torch.tensor([ids], dtype=torch.long),
+        torch.tensor([ids], dtype=torch.long, device=where),
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -69,6 +82,10 @@ def run_generate(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             seed=args.seed,
+            checkpoint=args.checkpoint,
+            device=args.device,
+            dtype=args.dtype,
+            on_note=lambda note: print(f"lmtrain generate: {note}", file=sys.stderr),
         )
     )
     return 0

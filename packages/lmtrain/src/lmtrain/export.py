@@ -1,0 +1,278 @@
+"""`lmtrain export`: a run's checkpoint as a Hugging Face directory, with a tokenizer that gives our ids.
+
+`--format hf` writes transformers' own MPT (`config.json` with `model_type: mpt`, `model.safetensors`), which
+`AutoModelForCausalLM.from_pretrained(DIR)` loads with no custom code; only models inside MPT's shape map (no
+biases, LayerNorm, GELU with d_ff = 4 * d_model, n_kv_head = n_head, tied embeddings, fixed slopes, no document
+separator), anything else is refused naming the fields. `--format hf-custom` takes any model: the directory
+carries its own code (`trust_remote_code=True`). LoRA adapters (in the checkpoint, or `--lora FILE` from
+`save_lora`) go to `DIR/adapter` in PEFT's layout on top of the MPT base, or are folded in with `--merge-lora`.
+
+The tokenizer is the run's SentencePiece model converted by transformers' own converter into `tokenizer.json`;
+before the directory is kept, the saved tokenizer is loaded back and must give exactly our ids on a check text
+(newlines, indentation, unicode, bytes outside the vocabulary, every piece of the vocabulary) and decode it back;
+otherwise the export is refused (SentencePiece unigram models can tie where the two libraries choose differently).
+
+Everything is written into a temporary directory beside DIR and renamed into place at the end: a failure leaves
+nothing behind, and an existing non-empty DIR is replaced only with `--force`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lmtrain.errors import LmtrainError
+
+FORMATS = ("hf", "hf-custom")
+ADAPTER_DIR = "adapter"
+# What the round-trip check encodes besides the vocabulary's own pieces.
+CHECK_TEXT = (
+    "def main(argv):\n    return 0  # indented\n\n\n\tTabbed line\r\nCRLF line  with  double  spaces \n"
+    "  leading spaces and trailing   \n"
+    "Ünïcödé — “quotes”, ﬁ ligature, 日本語のテキスト, emoji 🎉🦀, Z̷a̴l̶g̵o, \x00\x07\x7f control bytes\n"
+    "</s><s><unk> literal marker text\n"
+)
+
+
+def _import_hf(module: str) -> Any:
+    from lmcore.extras import MissingExtraError, import_hf
+
+    try:
+        return import_hf(module, "lmtrain export", dist="lmtrain")
+    except MissingExtraError as exc:
+        raise LmtrainError(str(exc)) from None
+
+
+def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None = None) -> Any:
+    """The SentencePiece model at `sp_model_path` as a transformers fast tokenizer (transformers' SpmConverter).
+
+    Special tokens are never matched inside text (`split_special_tokens`), as SentencePiece encodes "</s>" in
+    text as characters.
+
+    Example:
+        >>> hf_tokenizer("runs/demo/tokenizer.model")("def f():\\n")["input_ids"]  # doctest: +SKIP
+    """
+    transformers = _import_hf("transformers")
+    import sentencepiece as spm
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    proto.ParseFromString(Path(sp_model_path).read_bytes())
+    if proto.trainer_spec.model_type == 2:  # BPE: merges come from the piece scores
+        vocab: Any = {p.piece: i for i, p in enumerate(proto.pieces)}
+    else:
+        vocab = [(p.piece, p.score) for p in proto.pieces]
+    tokenizer = SpmConverter.build_tokenizer_from_spm_proto(proto, vocab)
+    if tokenizer is None:
+        raise LmtrainError(f"{sp_model_path}: transformers cannot convert this SentencePiece model type")
+    sp = spm.SentencePieceProcessor(model_file=str(sp_model_path))
+    special = {
+        f"{name}_token": sp.id_to_piece(i)
+        for name, i in (("unk", sp.unk_id()), ("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()))
+        if 0 <= i < sp.get_piece_size()
+    }
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        split_special_tokens=True,
+        model_max_length=model_max_length or int(1e30),
+        **special,
+    )
+
+
+def tokenizer_check_text(sp: Any) -> str:
+    """CHECK_TEXT followed by every normal piece of the vocabulary as text (which exercises every merge)."""
+    pieces = [
+        sp.id_to_piece(i).replace("\u2581", " ")
+        for i in range(sp.get_piece_size())
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))
+    ]
+    return CHECK_TEXT + "|".join(pieces) + "\n"
+
+
+def _first_difference(a: Any, b: Any) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def check_tokenizer(sp: Any, hf: Any, text: str, where: str) -> None:
+    """Raise LmtrainError unless `hf` gives `sp`'s ids on `text` (as `lmtrain` encodes it) and decodes them back."""
+    from lmtrain.text_codec import encode
+
+    ours = encode(sp, text)
+    theirs = hf(text, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than max length" note
+    if ours != theirs:
+        at = _first_difference(ours, theirs)
+        raise LmtrainError(
+            f"{where}: the Hugging Face conversion of the tokenizer disagrees with SentencePiece at token {at} of the "
+            f"check text ({sp.id_to_piece(ours[at : at + 3])} vs {hf.convert_ids_to_tokens(theirs[at : at + 3])}); "
+            "refusing to write a tokenizer that changes the ids: export with --no-tokenizer"
+        )
+    back = hf.decode(theirs, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if back != text:
+        at = _first_difference(back, text)
+        raise LmtrainError(
+            f"{where}: the converted tokenizer decodes the check text differently at character {at} "
+            f"({back[at : at + 10]!r} vs {text[at : at + 10]!r}); export with --no-tokenizer"
+        )
+
+
+def _check_destination(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise LmtrainError(f"--out {out}: exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise LmtrainError(f"--out {out}: directory is not empty; pass --force to replace it or choose another path")
+
+
+def _write_model(model: Any, tmp: Path, fmt: str, final: Path, *, max_seq_len: int | None, token_ids: dict) -> None:
+    from lmcore.lora import lora_modules
+
+    if fmt == "hf-custom":
+        from lmcore.hf_custom import save_custom
+
+        save_custom(model, tmp, extra_config={k: v for k, v in token_ids.items() if v is not None})
+        return
+    from lmcore.hf_mpt import to_mpt, to_peft
+
+    hf = to_mpt(model, max_seq_len, **token_ids)
+    hf.save_pretrained(tmp)
+    if lora_modules(model):
+        # The base is not in place yet: nothing for PEFT to compare embeddings against (they are never adapted).
+        to_peft(model, hf, str(final.resolve())).save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
+
+
+def export_run(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    fmt: str = "hf",
+    checkpoint: str = "best",
+    force: bool = False,
+    max_seq_len: int | None = None,
+    lora: str | os.PathLike | None = None,
+    merge_lora: bool = False,
+    tokenizer: bool = True,
+    on_note: Callable[[str], None] | None = None,
+) -> Path:
+    """Export the run's `checkpoint` to `out` in `fmt` ("hf" or "hf-custom"); returns the checkpoint exported.
+
+    Example:
+        >>> export_run("runs/demo", "export/demo", fmt="hf", checkpoint="best")  # doctest: +SKIP
+    """
+    from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer, load_trained_model
+
+    if fmt not in FORMATS:
+        raise LmtrainError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise LmtrainError(f"--max-seq-len must be >= 1, got {max_seq_len}")
+    out = Path(out)
+    _check_destination(out, force)
+    _import_hf("transformers")
+    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, on_note=on_note)
+    if lora is not None:
+        from safetensors import SafetensorError
+
+        from lmcore import load_lora
+
+        try:
+            load_lora(model, lora)
+        except (ValueError, OSError, SafetensorError) as exc:
+            raise LmtrainError(f"--lora {lora}: {exc}") from None
+    from lmcore import merge_lora as merge
+    from lmcore.lora import lora_modules
+
+    if lora_modules(model):
+        if merge_lora:
+            merge(model)
+        elif fmt == "hf-custom":
+            raise LmtrainError("--format hf-custom takes no separate adapters: add --merge-lora to fold them in")
+        else:
+            _import_hf("peft")
+    if fmt == "hf":
+        from lmcore.hf_mpt import mpt_mismatches
+
+        bad = mpt_mismatches(model.config)
+        if bad:
+            raise LmtrainError(
+                f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
+                "export with --format hf-custom (loads with trust_remote_code=True)"
+            )
+    sp = load_tokenizer(run_dir) if tokenizer else None
+    token_ids = {"eos_token_id": run.get("eos_id")}
+    if sp is not None and sp.bos_id() >= 0:
+        token_ids["bos_token_id"] = sp.bos_id()
+
+    tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
+    created = []  # parent directories made for the export, removed again if it fails
+    parent = out.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    try:
+        tmp.mkdir(parents=True)
+        if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
+            context = max_seq_len or 4 * model.config.context_length
+            _write_tokenizer(sp, Path(run_dir) / TOKENIZER_FILE, tmp, None if fmt == "hf-custom" else context)
+        _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
+        _follow_umask(tmp)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # deepest first
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+        raise
+    return path
+
+
+def _write_tokenizer(sp: Any, sp_path: Path, directory: Path, model_max_length: int | None) -> None:
+    """Convert, save, load back with AutoTokenizer and check, in a subdirectory of its own (AutoTokenizer would
+    otherwise read the model's config, which asks for remote code in a custom export); then move the files up."""
+    check_dir = directory / ".tokenizer"
+    hf_tokenizer(sp_path, model_max_length).save_pretrained(check_dir)
+    reloaded = _import_hf("transformers").AutoTokenizer.from_pretrained(str(check_dir))
+    check_tokenizer(sp, reloaded, tokenizer_check_text(sp), str(sp_path))
+    for f in check_dir.iterdir():
+        os.replace(f, directory / f.name)
+    check_dir.rmdir()
+
+
+def _follow_umask(directory: Path) -> None:
+    """Give every file the mode the umask implies (transformers writes its weights file 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in directory.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`; an existing `out` (empty, or --force) is moved aside first, then deleted."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-export-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """The `lmtrain export` command."""
+    checkpoint = export_run(
+        args.run,
+        args.out,
+        fmt=args.format,
+        checkpoint=args.checkpoint,
+        force=args.force,
+        max_seq_len=args.max_seq_len,
+        lora=args.lora,
+        merge_lora=args.merge_lora,
+        tokenizer=not args.no_tokenizer,
+        on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
+    )
+    load = "trust_remote_code=True" if args.format == "hf-custom" else "no custom code"
+    print(f"exported {checkpoint} to {args.out} ({args.format}; AutoModelForCausalLM.from_pretrained, {load})")
+    return 0
