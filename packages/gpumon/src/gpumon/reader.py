@@ -78,9 +78,11 @@ class Reader:
     """Reads `pollers` at `rate_hz` and queues a TickReads per tick, in a thread (`start`) or tick by tick (`tick`).
 
     Example:
-        >>> reader = Reader(HostBackend().pollers, rate_hz=100)
-        >>> reader.tick(0.0); [tick.t for tick in reader.take()]
-        [0.0]
+        >>> reader = Reader(HostBackend().pollers, rate_hz=100, batch_ticks=25)
+        >>> reader.tick(0.0), reader.tick(0.01)  # True once 25 ticks are queued, or when a read failed
+        (False, False)
+        >>> [ticked.t for ticked in reader.take()]
+        [0.0, 0.01]
     """
 
     def __init__(
