@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -89,10 +90,12 @@ def prepare(
 
     if vocab_size < 4:
         raise LmtrainError(f"--vocab-size must be >= 4 (unk, bos, eos and one piece), got {vocab_size}")
-    if sample_mb <= 0:
-        raise LmtrainError(f"--tokenizer-sample-mb must be > 0, got {sample_mb}")
-    if shard_mb is not None and shard_mb <= 0:
-        raise LmtrainError(f"--shard-mb must be > 0, got {shard_mb}")
+    if not math.isfinite(sample_mb) or sample_mb <= 0:
+        raise LmtrainError(f"--tokenizer-sample-mb must be a finite number > 0, got {sample_mb}")
+    if shard_mb is not None and (not math.isfinite(shard_mb) or shard_mb <= 0):
+        raise LmtrainError(f"--shard-mb must be a finite number > 0, got {shard_mb}")
+    if workers is not None and workers < 1:
+        raise LmtrainError(f"--workers must be >= 1, got {workers}")
     if val_texts and val_fraction is not None:
         raise LmtrainError("--val-text and --val-fraction: expected one way to hold out validation text, got both")
     fraction = None if val_texts else (DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction)
@@ -134,7 +137,9 @@ def prepare(
         if val_texts:
             options["split_docs"] = fmt_text and split_docs
         val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, **options)
-        _write_val_text(tokenizer, val.tokens, out / VAL_TEXT_FILE)
+        val_text = out / VAL_TEXT_FILE
+        if not any(Path(v).resolve() == val_text.resolve() for v in val_inputs):  # never overwrite an input
+            _write_val_text(tokenizer, val.tokens, val_text)
     except tokbin.TokenFileError as exc:
         if "no tokens to write" in str(exc) and fraction is not None:
             raise LmtrainError(

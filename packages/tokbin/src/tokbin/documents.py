@@ -106,22 +106,15 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     def square(mat: list[int]) -> list[int]:
         return [times(mat, mat[n]) for n in range(32)]
 
-    odd = [0xEDB88320] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = square(odd)  # two zero bits
-    odd = square(even)  # four
-    while True:  # apply len2 zero bytes to crc1, one bit of len2 at a time
-        even = square(odd)
+    op = [0xEDB88320] + [1 << n for n in range(31)]  # the operator that appends one zero bit
+    for _ in range(3):
+        op = square(op)  # 2, 4, then 8 zero bits: one zero byte
+    while len2:  # append len2 zero bytes to crc1, a power of two at a time
         if len2 & 1:
-            crc1 = times(even, crc1)
+            crc1 = times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = square(op)
     return crc1 ^ crc2
 
 
@@ -231,7 +224,8 @@ def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceRe
     line_lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(line_lens.sum()))
     token_ends = np.concatenate([[0], np.cumsum(line_lens)])[np.cumsum([len(ls) for ls in lines], dtype=np.int64)]
-    bounds = {i: (int(s), int(e)) for i, s, e in zip(chosen, [0, *token_ends[:-1]], token_ends, strict=True)}
+    token_starts = np.concatenate([[0], token_ends])[:-1]
+    bounds = {i: (int(s), int(e)) for i, s, e in zip(chosen, token_starts, token_ends, strict=True)}
     eos = [] if opts.eos_id is None else [opts.eos_id]
 
     def part(i: int) -> Part:

@@ -103,6 +103,26 @@ def _encoded(pieces: Iterator[Piece], sp, opts: DocOptions, dtype: np.dtype, wor
         pool.join()
 
 
+@dataclass
+class _Job:
+    """What every piece of one encode shares: the inputs and how to read, cut and encode them."""
+
+    paths: list[Path]
+    read_opts: ReadOptions
+    doc_opts: DocOptions
+    sp: Any
+    workers: int
+    dtype: np.dtype
+    parquet_column: str | None
+    bar: tqdm
+
+    def results(self, start: Position | None = None) -> Iterator[tuple[Piece, PieceResult]]:
+        pieces = read_pieces(self.paths, self.read_opts, start or Position(), parquet_column=self.parquet_column)
+        for piece, result in _encoded(pieces, self.sp, self.doc_opts, self.dtype, self.workers):
+            self.bar.update(piece.n_bytes)
+            yield piece, result
+
+
 # ---- assembling documents ---------------------------------------------------------------------------------------
 
 
@@ -198,14 +218,13 @@ def encode_inputs(
     dtype = dtype_for_vocab(vocab)
     total = None if any(compression(p) for p in paths) else sum(p.stat().st_size for p in paths)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
+    job = _Job(paths, read_opts, doc_opts, sp, workers, dtype, parquet_column, bar)
     try:
         if shard_bytes is None:
             asm = _Assembler(hash_split)
             with TokenWriter(out, vocab_size=vocab, eos_id=eos_id, tokenizer_sha256=sha) as w:
-                pieces = read_pieces(paths, read_opts, parquet_column=parquet_column)
-                for piece, result in _encoded(pieces, sp, doc_opts, dtype, workers):
+                for _, result in job.results():
                     asm.feed(w, result)
-                    bar.update(piece.n_bytes)
             return EncodeResult(w.token_file, asm.skipped_lines, asm.text_bytes)
         fingerprint = {
             "inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
@@ -220,7 +239,7 @@ def encode_inputs(
             "hash_split": None if hash_split is None else [hash_split.fraction, hash_split.part],
         }
         header = {"vocab_size": vocab, "eos_id": eos_id, "tokenizer_sha256": sha, "dtype": dtype.name}
-        return _encode_shards(out, paths, read_opts, doc_opts, sp, workers, fingerprint, header, parquet_column, bar)
+        return _encode_shards(out, job, fingerprint, header)
     finally:
         bar.close()
 
@@ -238,18 +257,7 @@ def _check_output(out: Path, paths: list[Path], tokenizer: Path, *, sharded: boo
         raise TokenFileError(out, "is a file: expected a directory for shards")
 
 
-def _encode_shards(
-    out: Path,
-    paths: list[Path],
-    read_opts: ReadOptions,
-    doc_opts: DocOptions,
-    sp,
-    workers: int,
-    fingerprint: dict,
-    header: dict,
-    parquet_column: str | None,
-    bar: tqdm,
-) -> EncodeResult:
+def _encode_shards(out: Path, job: _Job, fingerprint: dict, header: dict) -> EncodeResult:
     if not out.parent.is_dir():
         raise TokenFileError(out, f"output directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
@@ -265,10 +273,10 @@ def _encode_shards(
             "shards": list(kept),
         }
         start = Position(*kept[-1]["end"]) if kept else Position()
-        if start.input < len(paths):
+        if start.input < len(job.paths):
             _clear_unlisted(out, kept)
             write_manifest(out, manifest)
-            _write_shards(out, paths, read_opts, doc_opts, sp, workers, manifest, start, parquet_column, bar)
+            _write_shards(out, job, manifest, start)
         manifest["complete"] = True
         manifest["n_tokens"] = sum(s["n_tokens"] for s in manifest["shards"])
         manifest["n_docs"] = sum(s["n_docs"] for s in manifest["shards"])
@@ -320,19 +328,9 @@ def _clear_unlisted(out: Path, kept: list[dict]) -> None:
             p.unlink()
 
 
-def _write_shards(
-    out: Path,
-    paths: list[Path],
-    read_opts: ReadOptions,
-    doc_opts: DocOptions,
-    sp,
-    workers: int,
-    manifest: dict,
-    start: Position,
-    parquet_column: str | None,
-    bar: tqdm,
-) -> None:
-    asm = _Assembler(doc_opts.hash_split)
+def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None:
+    asm = _Assembler(job.doc_opts.hash_split)
+    n_inputs = len(job.paths)
     stack = contextlib.ExitStack()
     w: TokenWriter | None = None
 
@@ -355,8 +353,7 @@ def _write_shards(
         w = None
 
     with stack:
-        pieces = read_pieces(paths, read_opts, start, parquet_column=parquet_column)
-        for piece, result in _encoded(pieces, sp, doc_opts, np.dtype(manifest["dtype"]), workers):
+        for piece, result in job.results(start):
             if w is None:
                 name = out / shard_name(len(manifest["shards"]))
                 w = stack.enter_context(
@@ -369,13 +366,12 @@ def _write_shards(
                     )
                 )
             asm.feed(w, result)
-            bar.update(piece.n_bytes)
             # a shard that is still empty (every document held out, say) runs on to the next boundary
-            if (piece.shard_end or piece.end().input == len(paths)) and w.n_tokens and not asm.in_document:
+            if (piece.shard_end or piece.end().input == n_inputs) and w.n_tokens and not asm.in_document:
                 close_shard(piece.end())
         if w is not None:
             if w.n_tokens:
-                close_shard(Position(len(paths), 0, 1))
+                close_shard(Position(n_inputs, 0, 1))
             else:
                 w.discard()
     if not manifest["shards"]:
