@@ -5,7 +5,8 @@ Corpus: the Python standard library's own .py sources (sysconfig stdlib path, te
 files into a temporary directory. Both tokenizers are trained on the same sample of it (first --train-mb MB).
 
   tokbin        encode_files(...) end to end (read, decode UTF-8, encode, write + checksum the token file),
-                with --workers 1 and 2; documents are the files, EOS after each. Two SentencePiece models:
+                with --workers 1 and 2 (worker processes; their CPU time counts in MB/CPU-s); documents are
+                the files, EOS after each. Two SentencePiece models:
                 "keep-ws" (remove_extra_whitespaces=False, allow_whitespace_only_pieces=True: indentation is
                 encoded, as HF does) and "default"
                 (SentencePiece's default normalisation, which collapses runs of spaces before encoding)
@@ -97,9 +98,10 @@ def hf_worker(args: argparse.Namespace) -> None:
 
 
 def cpu_seconds() -> float:
-    """User + system CPU time of this process, all threads: less sensitive to other jobs than wall time."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    """User + system CPU time of this process and its finished children (encode's worker processes), all threads:
+    less sensitive to other jobs than wall time."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def train_hf(sample: Path, vocab: int, pre: str, out: Path) -> Path:
