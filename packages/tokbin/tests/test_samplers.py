@@ -179,3 +179,43 @@ def test_blend_state_round_trips_through_json_and_rejects_other_weights():
     assert same.step == 5
     with pytest.raises(ValueError, match=r"weights is \[0.7, 0.3\], this sampler has \[0.5, 0.5\]"):
         BlendWindows([6_000, 3_000], [0.5, 0.5], 32, 8, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("new_world", [1, 3, 4])
+def test_epoch_windows_resplit_to_another_world_size_reads_each_window_once(new_world):
+    n_windows, seq, batch = 24, 4, 2
+    n_tokens = n_windows * seq + 1
+    old = [EpochWindows(n_tokens, seq, batch, seed=3, rank=r, world_size=2) for r in range(2)]
+    seen = [w for s in old for _ in range(3) for w in (next(iter(s))[0] // seq).tolist()]  # 3 steps on each rank
+    state = old[0].state_dict()
+    assert state["step"] == 3
+    new = [EpochWindows(n_tokens, seq, batch, seed=3, rank=r, world_size=new_world) for r in range(new_world)]
+    for s in new:
+        s.load_state_dict(json.loads(json.dumps(state)))
+        assert s.step == 3 and s.resumed == (0, 12, 3)
+    while new[0].epoch_of(new[0].step) == 0:
+        for s in new:
+            starts, _ = next(iter(s))
+            seen += (starts // seq).tolist()
+    padding = -(12 % -new_world)  # the rest (12 windows) is padded to a multiple of the new world size
+    assert sorted(set(seen)) == list(range(n_windows)) and len(seen) == n_windows + padding
+    # Later epochs follow the new layout: the next epoch is the new world's usual split of a fresh permutation.
+    fresh = [EpochWindows(n_tokens, seq, batch, seed=3, rank=r, world_size=new_world) for r in range(new_world)]
+    for s, f in zip(new, fresh, strict=True):
+        e0 = s.step
+        epoch1 = [f.batch(k)[0].tolist() for k in range(f.batches_per_epoch, 2 * f.batches_per_epoch)]
+        assert [s.batch(e0 + k)[0].tolist() for k in range(f.batches_per_epoch)] == epoch1
+    # A state saved after the re-split resumes it (same world size) and re-splits again (another one).
+    again = EpochWindows(n_tokens, seq, batch, seed=3, rank=0, world_size=new_world)
+    again.load_state_dict(new[0].state_dict())
+    assert again.resumed == new[0].resumed and again.batch(again.step)[0].tolist() == new[0].batch(new[0].step)[0].tolist()
+
+
+def test_random_windows_resplit_keeps_the_step_and_takes_the_new_share():
+    a = RandomWindows(1000, 8, 4, seed=1, rank=1, world_size=2)
+    a.step = 70
+    b = RandomWindows(1000, 8, 4, seed=1, rank=0, world_size=1)
+    b.load_state_dict(a.state_dict())
+    assert b.step == 70 and b.batch(70)[0].shape == (4,)
+    with pytest.raises(ValueError, match="seed is 1, this sampler has 2"):
+        RandomWindows(1000, 8, 4, seed=2).load_state_dict(a.state_dict())

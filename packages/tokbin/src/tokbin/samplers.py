@@ -47,14 +47,31 @@ class _Sampler:
         return {"step": self.step, **self._config()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved state; raises ValueError if it came from a sampler configured differently."""
+        """Continue from a saved state; raises ValueError if it came from a sampler configured differently.
+
+        A state saved by a rank of another world size (every rank at the same step) re-splits the stream over this
+        sampler's ranks: see :meth:`_reshard`.
+        """
         mine = self._config()
         for key, value in mine.items():
+            if key in ("rank", "world_size"):
+                continue
             if key in state and state[key] != value:
                 raise ValueError(f"{type(self).__name__} state: {key} is {state[key]!r}, this sampler has {value!r}")
         if int(state["step"]) < 0:
             raise ValueError(f"{type(self).__name__} state: step must be >= 0, got {state['step']}")
         self.step = int(state["step"])
+        if state.get("world_size", self.world_size) != self.world_size:
+            self._reshard(state)
+        else:
+            self._restore(state)
+
+    def _reshard(self, state: dict) -> None:
+        """Continue at the same step with this rank's share of the global batch of the new world size (random
+        samplers draw with replacement: there is no epoch to keep whole)."""
+
+    def _restore(self, state: dict) -> None:
+        """Restore state beyond the step counter (none for most samplers)."""
 
 
 class RandomWindows(_Sampler):
@@ -120,25 +137,78 @@ class EpochWindows(_Sampler):
         self.step = 0
         self._epoch = -1
         self._mine: np.ndarray | None = None
+        # After a re-split to another world size: (epoch, windows of its permutation already read, first step).
+        self.resumed: tuple[int, int, int] | None = None
+        self._resumed_mine: np.ndarray | None = None
 
     def _config(self) -> dict:
         keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
         return {k: getattr(self, k) for k in keys}
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "resumed": list(self.resumed) if self.resumed else None}
+
+    def _restore(self, state: dict) -> None:
+        self.resumed = tuple(int(v) for v in state["resumed"]) if state.get("resumed") else None
+        self._resumed_mine = None
+
+    def _reshard(self, state: dict) -> None:
+        """Re-split the rest of the current epoch over this world size: windows the old ranks read together (a
+        prefix of the epoch's permutation) are not read again, the rest are each read once; later epochs follow
+        the new layout."""
+        old = EpochWindows(self.n_tokens, self.seq_len, self.batch_size, seed=self.seed, rank=0,
+                           world_size=int(state["world_size"]))  # fmt: skip
+        old._restore(state)
+        epoch, read = old.position(self.step)
+        self.resumed = (epoch, read, self.step) if read < self.n_windows else (epoch + 1, 0, self.step)
+        self._resumed_mine = None
+
+    def _resumed_batches(self) -> int:
+        epoch, read, _ = self.resumed
+        return math.ceil(math.ceil((self.n_windows - read) / self.world_size) / self.batch_size)
+
+    def _locate(self, step: int) -> tuple[int, int, bool]:
+        """(epoch, batch index in it, whether that epoch is the re-split one) of a step."""
+        if self.resumed is not None and step >= self.resumed[2]:
+            epoch, _, first = self.resumed
+            k = step - first
+            if k < self._resumed_batches():
+                return epoch, k, True
+            e, k = divmod(k - self._resumed_batches(), self.batches_per_epoch)
+            return epoch + 1 + e, k, False
+        e, k = divmod(step, self.batches_per_epoch)
+        return e, k, False
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, windows of that epoch's permutation read by all ranks together) before batch ``step``."""
+        epoch, k, resumed = self._locate(step)
+        start = self.resumed[1] if resumed else 0
+        return epoch, min(start + k * self.batch_size * self.world_size, self.n_windows)
+
     def epoch_of(self, step: int) -> int:
-        return step // self.batches_per_epoch
+        return self._locate(step)[0]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
     def _windows(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            padded = np.resize(perm, self.per_rank * self.world_size)  # np.resize repeats from the start
+            padded = np.resize(self._permutation(epoch), self.per_rank * self.world_size)  # repeats from the start
             self._mine = padded[self.rank :: self.world_size]
             self._epoch = epoch
         return self._mine
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
-        epoch, k = divmod(step, self.batches_per_epoch)
-        windows = self._windows(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
+        epoch, k, resumed = self._locate(step)
+        if resumed:
+            if self._resumed_mine is None:
+                rest = self._permutation(epoch)[self.resumed[1] :]
+                padded = np.resize(rest, math.ceil(len(rest) / self.world_size) * self.world_size)
+                self._resumed_mine = padded[self.rank :: self.world_size]
+            mine = self._resumed_mine
+        else:
+            mine = self._windows(epoch)
+        windows = mine[k * self.batch_size : (k + 1) * self.batch_size]
         return windows.astype(np.int64) * self.seq_len, self.seq_len
 
 
