@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def new_figure(figsize: tuple[float, float], purpose: str) -> Figure:
-    """An empty matplotlib Figure on its own Agg canvas; :class:`~trainloop.extras.MissingExtraError` without matplotlib.
+    """An empty matplotlib Figure on its own Agg canvas (:class:`~trainloop.extras.MissingExtraError` if absent).
 
     Example:
         >>> fig = new_figure((8, 6), "plot_metrics")  # fig.subplots(...), fig.savefig("out.png")
