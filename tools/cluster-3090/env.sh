@@ -5,9 +5,10 @@
 _kit_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 : "${LMTRAIN_HOSTFILE:=${_kit_dir}/hostfile}"
 
-# The master is the first host of the hostfile; it serves torchrun's c10d rendezvous store.
+# The master is the first host of the hostfile ('#' starts a comment); it serves torchrun's c10d rendezvous
+# store. launch.sh checks the hostfile and exports MASTER_ADDR before sourcing this file.
 if [ -z "${MASTER_ADDR:-}" ]; then
-    MASTER_ADDR="$(grep -v '^\s*#' "${LMTRAIN_HOSTFILE}" | awk 'NF {print $1; exit}')"
+    MASTER_ADDR="$(sed 's/#.*//' "${LMTRAIN_HOSTFILE}" | awk 'NF {print $1; exit}')"
 fi
 export MASTER_ADDR
 # 29500 is torch's default port; open it in the firewall between the nodes.
@@ -20,13 +21,21 @@ export NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}"
 # The network interface NCCL and gloo use between nodes. Left alone, they may pick docker0, a VPN or
 # a bridge that the other nodes cannot reach, and the job hangs at the first all-reduce. Default: the
 # interface that routes to the master.
-if [ -z "${NCCL_SOCKET_IFNAME:-}" ] && command -v ip >/dev/null 2>&1 && [ -n "${MASTER_ADDR}" ]; then
-    NCCL_SOCKET_IFNAME="$(ip -o route get "$(getent hosts "${MASTER_ADDR}" | awk '{print $1; exit}' || echo "${MASTER_ADDR}")" 2>/dev/null \
-        | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
-fi
-if [ "${NCCL_SOCKET_IFNAME:-}" = "lo" ]; then
-    # On the master itself the route to its own address is loopback, which the other nodes cannot reach.
-    NCCL_SOCKET_IFNAME="$(ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
+if [ -z "${NCCL_SOCKET_IFNAME:-}" ]; then
+    case "${MASTER_ADDR}" in
+        localhost|127.0.0.1|::1)
+            # Every "node" is this machine (a rehearsal on one host): loopback is the way between them.
+            NCCL_SOCKET_IFNAME=lo ;;
+        *)
+            if command -v ip >/dev/null 2>&1 && [ -n "${MASTER_ADDR}" ]; then
+                NCCL_SOCKET_IFNAME="$(ip -o route get "$(getent hosts "${MASTER_ADDR}" | awk '{print $1; exit}' || echo "${MASTER_ADDR}")" 2>/dev/null \
+                    | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
+                if [ "${NCCL_SOCKET_IFNAME}" = "lo" ]; then
+                    # On the master itself the route to its own address is loopback, which the other nodes cannot reach.
+                    NCCL_SOCKET_IFNAME="$(ip -o route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
+                fi
+            fi ;;
+    esac
 fi
 if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
     export NCCL_SOCKET_IFNAME

@@ -12,75 +12,188 @@
 #   --max-restarts N    torchrun restarts of the whole worker group after a failure (default 3)
 #   --run-id ID         rendezvous id, the same on every node (default: the basename of RUN_DIR)
 #   --join-timeout S    how long a node waits for the others at (re)rendezvous (default 900)
+#   --cpu-rehearsal     rehearse the launch on CPUs: gloo, DS_ACCELERATOR=cpu, the tiny preset, and the
+#                       kit's ds_config.json adapted to CPU and to the hostfile's world size
+#                       (RUN_DIR/ds_config.cpu-rehearsal.json, written by cpu_rehearsal.py)
+#
+# Every value that reaches the node command is checked first (host names, slots=, ports, counts) or
+# shell-quoted (paths, run id, extra arguments); a bad value stops here with one line and exit status 2.
 set -euo pipefail
 
 KIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "${KIT}/../.." && pwd)"
-DRY_RUN=0 ALL=0 HOSTFILE="${KIT}/hostfile" MAX_RESTARTS=3 RUN_ID="" JOIN_TIMEOUT=900 DATA="" OUT=""
+DRY_RUN=0 ALL=0 REHEARSAL=0 HOSTFILE="${KIT}/hostfile" MAX_RESTARTS=3 RUN_ID="" JOIN_TIMEOUT=900 DATA="" OUT=""
 EXTRA=()
+
+die() {
+    echo "launch.sh: error: $*" >&2
+    exit 2
+}
+
+# Values as the user wrote them go into messages between quotes, with control characters made visible.
+shown() { printf "'%s'" "$(printf '%s' "$1" | LC_ALL=C tr -c '[:print:]' '?')"; }
+
+# A decimal integer without sign or leading zero, within [$2, $3].
+is_uint_in() {
+    [[ $1 =~ ^(0|[1-9][0-9]{0,8})$ ]] && [ "$1" -ge "$2" ] && [ "$1" -le "$3" ]
+}
+
+is_ipv4() {
+    local octet='(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])'
+    [[ $1 =~ ^${octet}(\.${octet}){3}$ ]]
+}
+
+is_ipv6() {
+    local a=$1 part n=0 colons hex='^[0-9A-Fa-f]{1,4}(:[0-9A-Fa-f]{1,4})*$'
+    [[ $a == *:* && $a =~ ^[0-9A-Fa-f:.]+$ && ${#a} -le 45 ]] || return 1
+    if [[ $a == *.* ]]; then
+        # An IPv4 tail (::ffff:192.0.2.1) stands for the last two groups.
+        is_ipv4 "${a##*:}" || return 1
+        a="${a%:*}:0:0"
+    fi
+    case $a in *::*::*) return 1 ;; esac
+    if [[ $a == *::* ]]; then
+        for part in "${a%%::*}" "${a#*::}"; do
+            [ -z "${part}" ] && continue
+            [[ $part =~ $hex ]] || return 1
+            colons=${part//[^:]/}
+            n=$((n + ${#colons} + 1))
+        done
+        [ "${n}" -le 7 ]
+    else
+        [[ $a =~ $hex ]] || return 1
+        colons=${a//[^:]/}
+        [ "${#colons}" -eq 7 ]
+    fi
+}
+
+# RFC 1123 host name (labels of letters, digits and inner hyphens, 63 characters at most, 253 in all),
+# an IPv4 address or an IPv6 address. A name of digits and dots must be a valid IPv4 address.
+is_host() {
+    local label='[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?'
+    if [[ $1 =~ ^[0-9.]+$ ]]; then
+        is_ipv4 "$1"
+    elif [[ $1 == *:* ]]; then
+        is_ipv6 "$1"
+    else
+        [[ ${#1} -le 253 && $1 =~ ^${label}(\.${label})*$ ]]
+    fi
+}
+
+HOST_RULE="a host name (RFC 1123: letters, digits, inner '-', dot-separated labels), an IPv4 or an IPv6 address"
+
+need_value() {
+    [ "$2" -ge 2 ] || die "$1 needs a value (see --help)"
+}
+
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1; shift ;;
         --all) ALL=1; shift ;;
-        --hostfile) HOSTFILE="$2"; shift 2 ;;
-        --max-restarts) MAX_RESTARTS="$2"; shift 2 ;;
-        --run-id) RUN_ID="$2"; shift 2 ;;
-        --join-timeout) JOIN_TIMEOUT="$2"; shift 2 ;;
-        --data) DATA="$2"; shift 2 ;;
-        --out) OUT="$2"; shift 2 ;;
+        --cpu-rehearsal) REHEARSAL=1; shift ;;
+        --hostfile) need_value "$1" $#; HOSTFILE="$2"; shift 2 ;;
+        --max-restarts) need_value "$1" $#; MAX_RESTARTS="$2"; shift 2 ;;
+        --run-id) need_value "$1" $#; RUN_ID="$2"; shift 2 ;;
+        --join-timeout) need_value "$1" $#; JOIN_TIMEOUT="$2"; shift 2 ;;
+        --data) need_value "$1" $#; DATA="$2"; shift 2 ;;
+        --out) need_value "$1" $#; OUT="$2"; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown option $(shown "$1") (see --help)" ;;
     esac
 done
-if [ -z "${DATA}" ] || [ -z "${OUT}" ]; then
-    echo "launch.sh: --data DATA_DIR and --out RUN_DIR are required (see --help)" >&2
-    exit 2
-fi
-if [ ! -f "${HOSTFILE}" ]; then
-    echo "launch.sh: hostfile ${HOSTFILE} not found" >&2
-    exit 2
-fi
+[ -n "${DATA}" ] && [ -n "${OUT}" ] || die "--data DATA_DIR and --out RUN_DIR are required (see --help)"
+is_uint_in "${MAX_RESTARTS}" 0 1000 || die "--max-restarts $(shown "${MAX_RESTARTS}") must be a whole number 0-1000"
+is_uint_in "${JOIN_TIMEOUT}" 1 86400 || die "--join-timeout $(shown "${JOIN_TIMEOUT}") must be whole seconds 1-86400"
+# Every node changes to the repository first, and --all runs elsewhere: relative paths are made absolute here.
+absolute() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "${PWD}" "$1" ;; esac; }
+DATA="$(absolute "${DATA}")" OUT="$(absolute "${OUT}")" HOSTFILE="$(absolute "${HOSTFILE}")"
 RUN_ID="${RUN_ID:-$(basename "${OUT}")}"
 
-# hostfile lines: "host slots=N"; comments and blank lines skipped.
-mapfile -t HOSTS < <(grep -v '^\s*#' "${HOSTFILE}" | awk 'NF {print $1}')
-mapfile -t SLOTS < <(grep -v '^\s*#' "${HOSTFILE}" | awk 'NF {s = 1; for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) {split($i, a, "="); s = a[2]}; print s}')
-NNODES=${#HOSTS[@]}
-if [ "${NNODES}" -eq 0 ]; then
-    echo "launch.sh: no hosts in ${HOSTFILE}" >&2
-    exit 2
+# The hostfile: one "host slots=N" per line (DeepSpeed's format; slots= defaults to 1), '#' starts a comment.
+[ -f "${HOSTFILE}" ] && [ -r "${HOSTFILE}" ] || die "hostfile ${HOSTFILE} cannot be read (no such file?): pass --hostfile FILE"
+# Counted, not captured: a command substitution would drop a NUL byte.
+if [ "$(LC_ALL=C tr -d '\t\n\r\040-\176\200-\377' < "${HOSTFILE}" | head -c 1 | wc -c)" -ne 0 ]; then
+    die "hostfile ${HOSTFILE} holds control characters (a binary file?): expected text lines of \"host slots=N\""
 fi
-for s in "${SLOTS[@]}"; do
-    if [ "${s}" != "${SLOTS[0]}" ]; then
-        echo "launch.sh: every host needs the same slots= (torchrun starts the same number per node)" >&2
-        exit 2
+HOSTS=() SLOTS=()
+lineno=0
+while IFS= read -r line || [ -n "${line}" ]; do
+    lineno=$((lineno + 1))
+    line="${line%%#*}"
+    line="${line//$'\r'/ }"
+    read -r -a fields <<< "${line}"
+    [ ${#fields[@]} -gt 0 ] || continue
+    where="hostfile ${HOSTFILE} line ${lineno}"
+    host="${fields[0]}"
+    is_host "${host}" || die "${where}: host $(shown "${host}") is not ${HOST_RULE}; fix that line"
+    for known in "${HOSTS[@]}"; do
+        [ "${known}" != "${host}" ] || die "${where}: host $(shown "${host}") is listed twice; keep one line per node"
+    done
+    slots=1
+    if [ ${#fields[@]} -gt 2 ]; then
+        die "${where}: $(shown "${fields[2]}") after the slots: a line is \"host slots=N\"; remove it"
+    elif [ ${#fields[@]} -eq 2 ]; then
+        [[ ${fields[1]} == slots=* ]] || die "${where}: $(shown "${fields[1]}") is not slots=N: a line is \"host slots=N\""
+        slots="${fields[1]#slots=}"
+        is_uint_in "${slots}" 1 1024 || die "${where}: slots=$(shown "${slots}") must be a whole number 1-1024 (GPUs on that node)"
     fi
+    HOSTS+=("${host}")
+    SLOTS+=("${slots}")
+done < "${HOSTFILE}"
+NNODES=${#HOSTS[@]}
+[ "${NNODES}" -gt 0 ] || die "hostfile ${HOSTFILE} lists no host: add one \"host slots=N\" line per node"
+for s in "${SLOTS[@]}"; do
+    [ "${s}" = "${SLOTS[0]}" ] || die "${HOSTFILE}: slots=${s} and slots=${SLOTS[0]}: every host needs the same slots= (torchrun starts the same number per node)"
 done
 NPROC="${SLOTS[0]}"
 MASTER_ADDR="${MASTER_ADDR:-${HOSTS[0]}}"
 MASTER_PORT="${MASTER_PORT:-29500}"
+is_host "${MASTER_ADDR}" || die "MASTER_ADDR $(shown "${MASTER_ADDR}") is not ${HOST_RULE}; unset it to use the hostfile's first host"
+is_uint_in "${MASTER_PORT}" 1 65535 || die "MASTER_PORT $(shown "${MASTER_PORT}") must be a port number 1-65535"
+ENDPOINT="${MASTER_ADDR}:${MASTER_PORT}"
+[[ ${MASTER_ADDR} != *:* ]] || ENDPOINT="[${MASTER_ADDR}]:${MASTER_PORT}"
 
+MODEL=(--model-config "${KIT}/config.json")
+DS_CONFIG="${KIT}/ds_config.json"
+SETUP=()
+if [ "${REHEARSAL}" = "1" ]; then
+    DS_CONFIG="${OUT}/ds_config.cpu-rehearsal.json"
+    MODEL=(--preset tiny)
+    SETUP=(export DS_ACCELERATOR=cpu)
+    write=()
+    [ "${DRY_RUN}" = "1" ] || write=(--write "${DS_CONFIG}")
+    flags="$(python3 "${KIT}/cpu_rehearsal.py" "${KIT}/ds_config.json" "$((NNODES * NPROC))" "${write[@]}")" \
+        || die "cpu_rehearsal.py could not adapt ${KIT}/ds_config.json (its message is above)"
+    mapfile -t rehearsal_flags <<< "${flags}"
+    MODEL+=("${rehearsal_flags[@]}")
+fi
+
+# The command every node runs (the same on each: c10d assigns the node ranks), for `bash -c`: every
+# value either checked above or quoted with %q.
 node_command() {
-    # What node $1 runs: the same on every node; c10d assigns the node ranks.
-    local q_extra=""
-    if [ ${#EXTRA[@]} -gt 0 ]; then q_extra=" $(printf '%q ' "${EXTRA[@]}")"; fi
     printf 'cd %q && export LMTRAIN_HOSTFILE=%q MASTER_ADDR=%q MASTER_PORT=%q && source %q && ' \
         "${REPO}" "${HOSTFILE}" "${MASTER_ADDR}" "${MASTER_PORT}" "${KIT}/env.sh"
-    printf 'torchrun --nnodes=%s --nproc-per-node=%s --rdzv-backend=c10d --rdzv-endpoint=%s:%s ' \
-        "${NNODES}" "${NPROC}" "${MASTER_ADDR}" "${MASTER_PORT}"
+    if [ ${#SETUP[@]} -gt 0 ]; then printf '%s && ' "${SETUP[*]}"; fi
+    printf 'torchrun --nnodes=%s --nproc-per-node=%s --rdzv-backend=c10d --rdzv-endpoint=%q ' \
+        "${NNODES}" "${NPROC}" "${ENDPOINT}"
     printf -- '--rdzv-id=%q --rdzv-conf=join_timeout=%s --max-restarts=%s --monitor-interval=5 ' \
         "${RUN_ID}" "${JOIN_TIMEOUT}" "${MAX_RESTARTS}"
     # --resume on every start: a restart after a node failure continues from the latest checkpoint
     # (a first start with no checkpoint begins at step 0).
-    printf -- '-m lmtrain train --data %q --out %q --model-config %q --deepspeed %q --resume%s\n' \
-        "${DATA}" "${OUT}" "${KIT}/config.json" "${KIT}/ds_config.json" "${q_extra% }"
+    printf -- '-m lmtrain train --data %q --out %q' "${DATA}" "${OUT}"
+    printf ' %q' "${MODEL[@]}" --deepspeed "${DS_CONFIG}" --resume "${EXTRA[@]}"
+    printf '\n'
 }
 
+# POSIX single quotes for the remote login shell, whatever it is (sh, bash, zsh): %q may use bash's $'...'.
+sh_quote() { printf "'%s'" "${1//\'/\'\\\'\'}"; }
+
+COMMAND="$(node_command)"
 if [ "${DRY_RUN}" = "1" ]; then
-    echo "# ${NNODES} nodes x ${NPROC} GPUs, rendezvous ${MASTER_ADDR}:${MASTER_PORT} (c10d), run id ${RUN_ID}"
-    for i in "${!HOSTS[@]}"; do
-        echo "[${HOSTS[$i]}] $(node_command "${HOSTS[$i]}")"
+    echo "# ${NNODES} nodes x ${NPROC} processes, rendezvous ${ENDPOINT} (c10d), run id $(shown "${RUN_ID}")"
+    for host in "${HOSTS[@]}"; do
+        echo "[${host}] ${COMMAND}"
     done
     exit 0
 fi
@@ -89,8 +202,9 @@ if [ "${ALL}" = "1" ]; then
     pids=()
     for host in "${HOSTS[@]}"; do
         echo "launch.sh: starting ${host}" >&2
-        # -tt would tie the job to this terminal; plain ssh keeps its output streaming here.
-        ssh -o BatchMode=yes "${host}" "bash -lc $(printf '%q' "$(node_command "${host}")")" 2>&1 | sed "s/^/[${host}] /" &
+        # -tt would tie the job to this terminal; plain ssh keeps its output streaming here. `--` ends
+        # ssh's options: a host name never becomes one.
+        ssh -o BatchMode=yes -- "${host}" "bash -lc $(sh_quote "${COMMAND}")" 2>&1 | sed "s/^/[${host}] /" &
         pids+=($!)
     done
     status=0
@@ -98,4 +212,4 @@ if [ "${ALL}" = "1" ]; then
     exit "${status}"
 fi
 
-exec bash -c "$(node_command "$(hostname)")"
+exec bash -c "${COMMAND}"

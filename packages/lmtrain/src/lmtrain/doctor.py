@@ -11,14 +11,18 @@ import argparse
 import contextlib
 import errno
 import importlib
+import ipaddress
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from lmtrain.errors import LmtrainError
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 GiB = 2**30
@@ -41,23 +45,93 @@ class Check:
         return f"{self.status:<4} {self.name:<18} {self.detail}{fix}"
 
 
+class HostfileError(LmtrainError):
+    """A hostfile that is missing, binary or has a line that is not `host slots=N` (the message names the line)."""
+
+
+# What tools/cluster-3090/launch.sh accepts too (it checks the same rules before building any command line).
+HOST_RULE = "a host name (RFC 1123: letters, digits, inner '-', dot-separated labels), an IPv4 or an IPv6 address"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_UINT = re.compile(r"0|[1-9][0-9]{0,8}")
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+MAX_SLOTS = 1024
+
+
+def is_host(text: str) -> bool:
+    """True for an RFC 1123 host name, an IPv4 or an IPv6 address (no zone index); digits and dots must be IPv4.
+
+    Example:
+        >>> [is_host(h) for h in ("node-1.lan", "10.0.0.1", "fd00::1", "10.0.0.256", "node1;reboot")]
+        [True, True, True, False, False]
+    """
+    if re.fullmatch(r"[0-9.]+", text):
+        kind = ipaddress.IPv4Address
+    elif ":" in text:
+        if "%" in text:
+            return False
+        kind = ipaddress.IPv6Address
+    else:
+        return len(text) <= 253 and _HOST_NAME.fullmatch(text) is not None
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_uint(text: str, low: int, high: int) -> int | None:
+    """`text` as a decimal integer in [low, high] (no sign, no leading zero), else None."""
+    if not _UINT.fullmatch(text) or not low <= int(text) <= high:
+        return None
+    return int(text)
+
+
 def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
-    """Hosts and slots from a DeepSpeed-style hostfile (`host slots=N`, `#` comments).
+    """Hosts and slots from a DeepSpeed-style hostfile: `host slots=N` per line (slots= defaults to 1), `#` comments.
+
+    Raises HostfileError (one line: the file, the line, the value and what is expected) for a missing or binary
+    file, a host that is not HOST_RULE, a bad slots= value, anything else on a line, or a host listed twice.
 
     Example:
         >>> read_hostfile("tools/cluster-3090/hostfile")[0]  # doctest: +SKIP
         ('node1', 4)
     """
-    hosts = []
-    for raw in Path(path).read_text().splitlines():
-        line = raw.split("#", 1)[0].split()
-        if not line:
+    expected = 'expected text lines of "host slots=N"'
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise HostfileError(f"hostfile {path} cannot be read ({exc.strerror}): pass --hostfile FILE") from None
+    if _CONTROL.search(data):
+        raise HostfileError(f"hostfile {path} holds control characters (a binary file?): {expected}")
+    # Bytes that are not UTF-8 may only sit in comments: a host must be ASCII, which is_host checks.
+    text = data.decode("utf-8", errors="surrogateescape")
+    hosts: list[tuple[str, int]] = []
+    for number, raw in enumerate(text.split("\n"), 1):
+        fields = [f for f in re.split(r"[ \t\r]+", raw.split("#", 1)[0]) if f]
+        if not fields:
             continue
+        where = f"hostfile {path} line {number}"
+        host = fields[0]
+        if not is_host(host):
+            raise HostfileError(f"{where}: host {host!r} is not {HOST_RULE}; fix that line")
+        if any(host == known for known, _ in hosts):
+            raise HostfileError(f"{where}: host {host!r} is listed twice; keep one line per node")
         slots = 1
-        for token in line[1:]:
-            if token.startswith("slots="):
-                slots = int(token.split("=", 1)[1])
-        hosts.append((line[0], slots))
+        if len(fields) > 2:
+            raise HostfileError(f'{where}: {fields[2]!r} after the slots: a line is "host slots=N"; remove it')
+        if len(fields) == 2:
+            if not fields[1].startswith("slots="):
+                raise HostfileError(f'{where}: {fields[1]!r} is not slots=N: a line is "host slots=N"')
+            value = parse_uint(fields[1][len("slots=") :], 1, MAX_SLOTS)
+            if value is None:
+                raise HostfileError(
+                    f"{where}: {fields[1]!r}: slots must be a whole number 1-{MAX_SLOTS} (GPUs on that node)"
+                )
+            slots = value
+        hosts.append((host, slots))
+    if not hosts:
+        raise HostfileError(f'hostfile {path} lists no host: add one "host slots=N" line per node')
     return hosts
 
 
@@ -162,18 +236,24 @@ def check_nccl_env(multi_node: bool) -> list[Check]:
 
 def check_master(hosts: list[tuple[str, int]], timeout: float = 3.0) -> list[Check]:
     addr = os.environ.get("MASTER_ADDR") or (hosts[0][0] if hosts else None)
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    port_text = os.environ.get("MASTER_PORT", "29500")
+    port = parse_uint(port_text, 1, 65535)
+    if port is None:
+        return [Check(FAIL, "master", f"MASTER_PORT={port_text!r} is not a port number 1-65535", "fix or unset it")]
+    if addr and not is_host(addr):
+        return [Check(FAIL, "master", f"MASTER_ADDR={addr!r} is not {HOST_RULE}", "fix or unset it")]
     if not addr:
         return [Check(OK, "master", "single node (no hostfile, MASTER_ADDR unset)")]
     try:
-        ip = socket.gethostbyname(addr)
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        ip = sockaddr[0]
     except OSError as exc:
         return [Check(FAIL, "master", f"{addr} does not resolve: {exc}", "fix /etc/hosts or use the IP address")]
-    local = {"127.0.0.1", "0.0.0.0"}
+    local = {"0.0.0.0", "::"}
     with contextlib.suppress(OSError):  # a host whose own name does not resolve still has loopback
         local |= set(socket.gethostbyname_ex(socket.gethostname())[2])
-    if ip in local or addr == socket.gethostname():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    if ip in local or ipaddress.ip_address(ip).is_loopback or addr == socket.gethostname():
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(("", port))

@@ -1,0 +1,37 @@
+"""`lmtrain doctor`'s master check: MASTER_ADDR and MASTER_PORT are checked like the hostfile, IPv6 resolves."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from lmtrain.doctor import FAIL, check_master
+
+
+@pytest.mark.parametrize("port", ["29500;reboot", "0", "65536", "029500", ""])
+def test_bad_master_port_fails_naming_it(monkeypatch, port):
+    monkeypatch.setenv("MASTER_PORT", port)
+    [check] = check_master([("node1", 4)])
+    assert check.status == FAIL and repr(port) in check.detail
+
+
+def test_bad_master_addr_fails_naming_it(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "node1;reboot")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    [check] = check_master([])
+    assert check.status == FAIL and "'node1;reboot'" in check.detail
+
+
+def test_ipv6_loopback_master_is_this_host(monkeypatch):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback address on this machine")
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    [check] = check_master([("::1", 2)])
+    assert check.status != FAIL and "this host" in check.detail, check.line()
