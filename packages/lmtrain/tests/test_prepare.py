@@ -138,7 +138,7 @@ def _files(tmp_path: Path) -> dict:
 CASES = [
     (["--vocab-size", "0"], ["--vocab-size must be >= 4", "got 0"]),
     (["--val-fraction", "1.5"], ["--val-fraction must be in (0, 1), got 1.5"]),
-    (["--tokenizer-sample-mb", "0"], ["--tokenizer-sample-mb must be > 0"]),
+    (["--tokenizer-sample-mb", "0"], ["--tokenizer-sample-mb must be a finite number > 0"]),
     (["--text", "{tmp}/missing.txt"], ["missing.txt: no such file"]),
     (["--text", "{latin}"], ["latin.txt: not valid UTF-8 at byte 9 (line 3)"]),
     (["--text", "{bad_json}", "--jsonl-field", "text"], ["bad.jsonl: line 2: expected a JSON object"]),
