@@ -142,21 +142,23 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def deepspeed_lower_bound(session: nox.Session) -> None:
-    """trainloop's DeepSpeed tests on the oldest DeepSpeed its `deepspeed` extra admits (built from its sdist: minutes).
+    """trainloop's DeepSpeed tests on the oldest DeepSpeed its `deepspeed` extra admits, or on the version given
+    (`nox -s deepspeed_lower_bound -- 0.17.1`, to try a wider range). DeepSpeed builds from its sdist: minutes.
 
-    Not in CI: CI tests the pinned version (tools/constraints-cpu.txt), this the lower bound of the declared range.
+    Not in CI: CI tests the pinned version (tools/constraints-cpu.txt).
     """
     req = next(Requirement(r) for r in pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"])
-    lower = next(s.version for s in req.specifier if s.operator == ">=")
+    version = session.posargs[0] if session.posargs else next(s.version for s in req.specifier if s.operator == ">=")
     # The shared constraints pin DeepSpeed to the tested release: use them without that line.
     constraints = Path(session.create_tmp()) / "constraints-without-deepspeed.txt"
     kept = [ln for ln in Path(CONSTRAINTS).read_text().splitlines() if not ln.strip().startswith("deepspeed")]
     constraints.write_text("\n".join(kept) + "\n")
     env = {"PIP_CONSTRAINT": str(constraints)}
     session.install("--force-reinstall", "--no-deps", _path("trainloop"), env=env)
-    session.install(_path("trainloop", TEST_EXTRAS["trainloop"]), f"deepspeed=={lower}", *TEST_TOOLS, env=env)
+    session.install(_path("trainloop", TEST_EXTRAS["trainloop"]), f"deepspeed=={version}", *TEST_TOOLS, env=env)
     session.chdir(PACKAGES_DIR / "trainloop")
-    _pytest(session, "tests/test_deepspeed.py", "tests/test_extras.py")
+    # test_extras checks that the installed DeepSpeed lies in the declared range: below it, that test fails too.
+    session.run("pytest", "tests/test_deepspeed.py", "tests/test_extras.py", env=TEST_ENV)
 
 
 @nox.session(python="3.11")
