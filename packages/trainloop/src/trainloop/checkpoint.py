@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -157,9 +158,15 @@ class CheckpointStore:
         return tmp
 
     def finish(self, tmp: Path, step: int, meta: dict[str, Any] | None = None) -> Path:
-        """Hash every file, write the manifest last, fsync, and rename into place (rank 0 only)."""
+        """Hash every file, write the manifest last, fsync, and rename into place (rank 0 only).
+
+        Every file gets the mode the umask gives a new file (0644 under umask 022): writers that go through a
+        temporary file of their own (safetensors) create 0600. The mode is read off ``tmp``, which ``begin``
+        created under the same umask, so the umask itself is never changed."""
+        mode = stat.S_IMODE(tmp.stat().st_mode) & 0o666
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            path.chmod(mode)
             files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         manifest = {"step": step, "files": files, **(meta or {})}
         with open(tmp / MANIFEST, "w") as f:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from trainloop.distributed import all_reduce_sum
 
@@ -18,12 +19,17 @@ def evaluate(
     device: torch.device | str = "cpu",
     max_batches: int | None = None,
     bytes_per_token: float | None = None,
-) -> dict[str, float]:
+    stop: Callable[[], bool] | None = None,
+) -> dict[str, float] | None:
     """Mean loss over the split (or its first ``max_batches``), token perplexity ``exp(loss)`` and, given the split's
     bytes per token, bits per byte ``loss / ln 2 / bytes_per_token``.
 
     Batches are weighted by their count of scored targets (labels other than -100). With several ranks the sums are
     all-reduced, so ranks may evaluate different shards or the same data.
+
+    ``stop`` (e.g. "a signal arrived") is asked before every batch; when it says yes on any rank, every rank stops
+    at the same batch and the evaluation returns None. With several ranks that agreement costs one small all-reduce
+    per batch, which a rank that has run out of batches keeps joining until every rank has.
 
     Example:
         >>> evaluate(lambda x, y: model(x, y), model, lambda: [(x, y)], bytes_per_token=3.7)  # doctest: +SKIP
@@ -32,15 +38,30 @@ def evaluate(
     was_training = module.training
     module.eval()
     total = torch.zeros(2, dtype=torch.float64)
+    agree = stop is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    i = 0
     try:
+        batches = iter(eval_data())
         with torch.no_grad():
-            for i, (inputs, targets) in enumerate(eval_data()):
-                if max_batches is not None and i >= max_batches:
+            while True:
+                batch = next(batches, None) if max_batches is None or i < max_batches else None
+                stopping = stop is not None and stop()
+                if agree:  # (ranks stopping, ranks still holding a batch): the same decision on every rank
+                    flags = torch.tensor([stopping, batch is not None], dtype=torch.float64)
+                    stopping, active = (v > 0 for v in all_reduce_sum(flags).tolist())
+                else:
+                    active = batch is not None
+                if stopping:
+                    return None
+                if not active:
                     break
-                inputs, targets = inputs.to(device), targets.to(device)
+                if batch is None:
+                    continue
+                inputs, targets = batch[0].to(device), batch[1].to(device)
                 loss = forward(inputs, targets)
                 n = float((targets != -100).sum())
                 total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+                i += 1
     finally:
         module.train(was_training)
     total = all_reduce_sum(total)

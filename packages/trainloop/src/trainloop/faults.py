@@ -1,11 +1,15 @@
-"""Fault types and the recognition of failed collectives (a dead or hung peer rank)."""
+"""Fault types and their recognition: failed collectives (a dead or hung peer rank), a full disk."""
 
 from __future__ import annotations
 
+import errno
+import shutil
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -16,6 +20,65 @@ class NonFiniteLossError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective operation failed: another rank most likely died or hung. Resuming from the latest checkpoint
     (torchrun ``--max-restarts``) continues the run."""
+
+
+class DiskFullError(OSError):
+    """A write failed for lack of space; the message names the path, the space a checkpoint needs and what is free."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """True for a write that failed with ENOSPC (or EDQUOT, a full quota), also when a library wrapped it:
+    safetensors raises ``SafetensorError("... No space left on device (os error 28)")``."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, OSError):
+        return exc.errno in codes
+    text = str(exc)
+    return any(f"os error {code})" in text for code in codes)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def checkpoint_bytes(store: Any, module: torch.nn.Module) -> tuple[int, str]:
+    """(bytes one checkpoint of this run takes, how that was found): the newest complete checkpoint's manifest,
+    else an estimate from the parameters (fp32 weights and AdamW's two fp32 moments: 12 bytes each)."""
+    from trainloop.checkpoint import read_manifest  # checkpoint imports nothing from here; keep it one-way
+
+    for step in reversed(store.steps()):
+        manifest, _ = read_manifest(store.step_dir(step))
+        if manifest is not None:
+            sizes = [e.get("bytes") for e in manifest["files"].values() if isinstance(e, dict)]
+            if sizes and all(isinstance(b, int) for b in sizes):
+                return sum(sizes), f"the size of checkpoint step {step}"
+    n = sum(p.numel() for p in module.parameters())
+    return 12 * n, f"estimated as 12 bytes per parameter for {n:,} parameters"
+
+
+def disk_full_error(exc: BaseException, store: Any, module: torch.nn.Module, step: int) -> DiskFullError:
+    """The one-line error for a full disk met at ``step``: the file being written (or the checkpoint directory),
+    the space a checkpoint takes, what is free there, and the fix."""
+    tmp = store.tmp_dir(step)
+    path = Path(exc.filename) if isinstance(exc, OSError) and exc.filename else (tmp if tmp.is_dir() else None)
+    where = path or store.run_dir
+    needed, how = checkpoint_bytes(store, module)
+    probe = where if where.exists() else store.run_dir
+    try:
+        free = f"{_size(shutil.disk_usage(probe).free)} free there now"
+    except OSError:
+        free = "free space unknown"
+    partial = f"; {tmp.name} is an incomplete checkpoint that resume skips (delete it)" if tmp.is_dir() else ""
+    error = DiskFullError(
+        f"no space left on device writing {where} at step {step}: a checkpoint of this run takes about "
+        f"{_size(needed)} ({how}), {free}; free some space (older runs, or a lower TrainConfig.keep_last) and "
+        f"resume from the newest complete checkpoint{partial}"
+    )
+    error.errno = errno.ENOSPC
+    return error
 
 
 def collective_failure(exc: BaseException) -> bool:

@@ -98,6 +98,56 @@ def _wandb_run(run_dir: Path, project: str) -> Any:
     return wandb.init(project=project, dir=str(run_dir), name=run_dir.name, group=run_dir.name)
 
 
+def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a ``metrics.jsonl`` and the numbers (1-based) of the lines that are not a JSON object.
+
+    A bad line is most often the last one, cut short when the process died mid-write (power loss, a full disk);
+    blank lines are skipped silently.
+
+    Example:
+        >>> records, bad = read_metrics("runs/demo/metrics.jsonl")  # doctest: +SKIP
+        >>> bad  # the last line was half-written
+        [412]
+    """
+    records: list[dict[str, Any]] = []
+    bad: list[int] = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                bad.append(number)
+    return records, bad
+
+
+def _describe_bad(bad: list[int]) -> str:
+    if len(bad) == 1:
+        return f"line {bad[0]}, not a complete JSON record (cut short by a crash or a full disk?)"
+    return f"{len(bad)} lines that are not complete JSON records (lines {', '.join(map(str, bad[:5]))}" + (
+        ", ...)" if len(bad) > 5 else ")"
+    )
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves the old or the new file."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (and TensorBoard / W&B scalars when asked for) on rank 0; other ranks log nothing."""
 
@@ -119,10 +169,11 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             # Records past the checkpoint belong to the abandoned future of the run: drop them.
-            kept = [
-                ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= resume_step
-            ]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            records, bad = read_metrics(self.path)
+            if bad:
+                print(f"trainloop: warning: {self.path}: ignored {_describe_bad(bad)}", file=sys.stderr, flush=True)
+            kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= resume_step]
+            _replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()

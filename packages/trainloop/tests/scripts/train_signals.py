@@ -1,0 +1,50 @@
+"""Train TinyLM with a slow evaluation, for the signal tests; alone or under torchrun. Arguments are JSON overrides.
+
+Every rank prints ``PID <rank> <pid>`` first (the tests signal one rank), ``EVAL <rank> <step>`` when it starts
+an evaluation, and ``SUMMARY <rank> {...}`` at the end. ``eval_sleep_s`` is slept before each evaluation batch.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
+
+from trainloop import TrainConfig, Trainer  # noqa: E402
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    run_dir = args.pop("run_dir")
+    eval_sleep_s = args.pop("eval_sleep_s", 0.0)
+    n_eval = args.pop("eval_batches_n", 4)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    print(f"PID {rank} {os.getpid()}", flush=True)
+    base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
+    base.update(args)
+    base["micro_batch"] = 8 // world
+    cfg = TrainConfig(**base)
+    trainer = None
+
+    def slow_eval():
+        print(f"EVAL {rank} {trainer.step}", flush=True)
+        for batch in eval_batches(n_eval):
+            time.sleep(eval_sleep_s)
+            yield batch
+
+    torch.manual_seed(0)
+    trainer = Trainer(TinyLM(), cfg, SeqData(cfg.micro_batch, rank=rank, world_size=world), run_dir=run_dir,
+                      eval_data=slow_eval)  # fmt: skip
+    out = trainer.fit()
+    print(f"SUMMARY {rank} " + json.dumps({k: v for k, v in out.items() if k != "eval"} | {"eval": out["eval"]}),
+          flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
