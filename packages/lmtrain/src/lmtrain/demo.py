@@ -67,6 +67,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from lmtrain.sample import generate_text
     from lmtrain.train_run import run_train
 
+    if not math.isfinite(args.time_budget) or args.time_budget <= 0:
+        raise LmtrainError(f"--time-budget must be a finite number of seconds > 0, got {args.time_budget}")
     t0 = time.perf_counter()
     out = Path(args.out)
     data, run = out / "data", out / "run"

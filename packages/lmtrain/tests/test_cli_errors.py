@@ -1,0 +1,270 @@
+"""Every bad input to every `lmtrain` subcommand is one line on stderr, `lmtrain <command>: error: ...`, exit 2.
+
+One table for all of them: the arguments (with placeholders for the files a row prepares), the exit code, the words
+the line must hold. Rows that need a damaged file build it from the module's prepared data or trained run. The
+disk-full rows make one write raise the OSError a full disk raises (ENOSPC), in process.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmtrain.cli import main
+from lmtrain.run_lock import DirectoryLock
+
+TRAIN = ["--preset", "tiny", "--max-steps", "2", "--set", "cpu_threads=1", "--set", "log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A prepared data directory and a run trained on it for two steps (a checkpoint with model.safetensors)."""
+    from lmtrain.demo import build_corpus
+    from lmtrain.prepare_data import prepare
+
+    root = tmp_path_factory.mktemp("cli")
+    corpus = root / "corpus.txt"
+    build_corpus(corpus, 60_000)
+    corpus.write_text(corpus.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    prepare([str(corpus)], root / "data", vocab_size=400, progress=False)
+    assert main(["train", "--data", str(root / "data"), "--out", str(root / "run"), *TRAIN]) == 0
+    return root
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".lmtrain*"))
+    return dst
+
+
+def _edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+# Each setup gets (tmp_path, made, monkeypatch, stack) and returns extra placeholders for the row's arguments.
+def _a_file(tmp, made, mp, stack):
+    (tmp / "file").write_text("not a directory")
+    return {}
+
+
+def _locked(tmp, made, mp, stack):
+    lock = DirectoryLock(tmp / "busy", "lmtrain train")
+    lock.__enter__()
+    stack.append(lock.release)
+    return {}
+
+
+def _run_copy(tmp, made, mp, stack):
+    _copy(made / "run", tmp / "run")
+    return {}
+
+
+def _data_copy(tmp, made, mp, stack):
+    _copy(made / "data", tmp / "data")
+    return {}
+
+
+def _run_json_garbage(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    (tmp / "run" / "run.json").write_text('{"model_config": {')
+    return {}
+
+
+def _run_json_wrong_types(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "run" / "run.json", lambda d: d.update(model_config=3, train_config="fast"))
+    return {}
+
+
+def _meta_garbage(tmp, made, mp, stack):
+    _data_copy(tmp, made, mp, stack)
+    (tmp / "data" / "meta.json").write_bytes(b"\x00\x01 not json")
+    return {}
+
+
+def _meta_wrong_types(tmp, made, mp, stack):
+    _data_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "data" / "meta.json", lambda d: d.update(vocab_size="many"))
+    return {}
+
+
+def _meta_small_vocab(tmp, made, mp, stack):
+    # meta.json says 300, the token files' headers 400: the model would be built with 300 embeddings.
+    _data_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "data" / "meta.json", lambda d: d.update(vocab_size=300))
+    return {}
+
+
+def _flipped_byte(tmp, made, mp, stack):
+    _data_copy(tmp, made, mp, stack)
+    path = tmp / "data" / "train.bin"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit of one token: size and header still fine
+    path.write_bytes(bytes(raw))
+    return {}
+
+
+def _full_at_checkpoint(tmp, made, mp, stack):
+    import trainloop.engine_torch as engine_torch
+
+    mp.setattr(engine_torch, "save_torch", _no_space)
+    return {}
+
+
+class _FullFile:
+    """A file whose writes fail as they do on a full disk."""
+
+    def __init__(self, path, mode):
+        self._f = open(path, mode)  # noqa: SIM115 - closed in __exit__
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _full_at_run_json(tmp, made, mp, stack):
+    import lmtrain.run_files as run_files
+
+    # run_files' own `open` (a module global shadows the builtin): only its writes of run.json find the disk full.
+    def fake_open(path, mode="r", *args, **kwargs):
+        return _FullFile(path, mode) if "run.json" in str(path) else open(path, mode, *args, **kwargs)  # noqa: SIM115
+
+    mp.setattr(run_files, "open", fake_open, raising=False)
+    return {}
+
+
+def _full_at_token_file(tmp, made, mp, stack):
+    import tokbin.writer
+
+    mp.setattr(tokbin.writer.os, "fsync", _no_space)
+    return {}
+
+
+def _nan_weights(tmp, made, mp, stack):
+    from safetensors.torch import load_file, save_file
+
+    _run_copy(tmp, made, mp, stack)
+    for ckpt in (tmp / "run" / "checkpoints").glob("step_*"):
+        weights = ckpt / "model.safetensors"
+        state = {k: torch.full_like(v, float("nan")) for k, v in load_file(weights).items()}
+        save_file(state, weights, metadata={"format": "pt"})
+    return {}
+
+
+def _file_and_run(tmp, made, mp, stack):
+    _a_file(tmp, made, mp, stack)
+    return _run_copy(tmp, made, mp, stack)
+
+
+def _hostfile_binary(tmp, made, mp, stack):
+    (tmp / "hosts").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    return {}
+
+
+def _hostfile_bad_slots(tmp, made, mp, stack):
+    (tmp / "hosts").write_text("node1 slots=four\n")
+    return {}
+
+
+P = ["prepare", "--text", "{corpus}", "--vocab-size", "400", "--quiet"]
+T = ["train", "--data", "{data}", *TRAIN]
+R = ["--run", "{tmp}/run"]
+ROWS = [
+    # prepare
+    ("prepare --out a file", [*P, "--out", "{tmp}/file"], _a_file, ["--out", "/file", "is a file"]),
+    ("prepare --out in use", [*P, "--out", "{tmp}/busy"], _locked, ["in use by", "{pid}", "{host}"]),
+    ("prepare --workers 0", [*P, "--out", "{tmp}/o", "--workers", "0"], None, ["--workers", "0"]),
+    ("prepare --tokenizer-sample-mb nan", [*P, "--out", "{tmp}/o", "--tokenizer-sample-mb", "nan"], None,
+     ["--tokenizer-sample-mb", "nan"]),
+    ("prepare --shard-mb nan", [*P, "--out", "{tmp}/o", "--shard-mb", "nan"], None, ["--shard-mb", "nan"]),
+    ("prepare disk full", [*P, "--out", "{tmp}/o"], _full_at_token_file, ["No space left on device", "{tmp}/o"]),
+    # train
+    ("train --out a file", [*T, "--out", "{tmp}/file"], _a_file, ["--out", "/file", "is a file"]),
+    ("train --out in use", [*T, "--out", "{tmp}/busy"], _locked, ["in use by", "{pid}", "{host}", "lmtrain train"]),
+    ("train --max-steps 0", [*T, "--out", "{tmp}/r", "--max-steps", "0"], None, ["--max-steps 0", ">= 1"]),
+    ("train --time-budget 0", [*T, "--out", "{tmp}/r", "--time-budget", "0"], None, ["time_budget", "> 0"]),
+    ("train --time-budget nan", [*T, "--out", "{tmp}/r", "--time-budget", "nan"], None, ["time_budget", "finite"]),
+    ("train run.json not JSON", [*T, "--out", "{tmp}/run", "--resume"], _run_json_garbage, ["run.json", "unreadable"]),
+    ("train run.json wrong types", [*T, "--out", "{tmp}/run", "--resume"], _run_json_wrong_types,
+     ["run.json", "model_config"]),
+    ("train meta.json not JSON", ["train", "--data", "{tmp}/data", *TRAIN, "--out", "{tmp}/r"], _meta_garbage,
+     ["meta.json"]),
+    ("train meta.json wrong types", ["train", "--data", "{tmp}/data", *TRAIN, "--out", "{tmp}/r"],
+     _meta_wrong_types, ["meta.json", "vocab_size", "many"]),
+    ("train header vocab above the model's", ["train", "--data", "{tmp}/data", *TRAIN, "--out", "{tmp}/r"],
+     _meta_small_vocab, ["train.bin", "vocab_size 400", "the model's vocab_size is 300", "--set vocab_size=400"]),
+    ("train damaged token file", ["train", "--data", "{tmp}/data", *TRAIN, "--out", "{tmp}/r"], _flipped_byte,
+     ["train.bin", "checksum mismatch", "lmtrain prepare"]),
+    ("train disk full at a checkpoint", [*T, "--out", "{tmp}/r"], _full_at_checkpoint,
+     ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
+    ("train disk full at run.json", [*T, "--out", "{tmp}/r"], _full_at_run_json,
+     ["{tmp}/r/run.json", "No space left on device"]),
+    # eval
+    ("eval --context 0", ["eval", *R, "--text", "{corpus}", "--context", "0"], _run_copy, ["context", "0"]),
+    ("eval --stride 0", ["eval", *R, "--text", "{corpus}", "--stride", "0"], _run_copy, ["stride", "0"]),
+    ("eval --run missing", ["eval", "--run", "{tmp}/none", "--text", "{corpus}"], None, ["{tmp}/none", "run.json"]),
+    ("eval --text missing", ["eval", *R, "--text", "{tmp}/none.txt"], _run_copy, ["none.txt"]),
+    ("eval run.json wrong types", ["eval", *R, "--text", "{corpus}"], _run_json_wrong_types, ["run.json"]),
+    ("eval --checkpoint 999", ["eval", *R, "--text", "{corpus}", "--checkpoint", "999"], _run_copy, ["999"]),
+    # generate
+    ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
+     ["--temperature", "nan"]),
+    ("generate --top-k 0", ["generate", *R, "--prompt", "x", "--top-k", "0"], _run_copy, ["--top-k", "0"]),
+    ("generate NaN weights", ["generate", *R, "--prompt", "x", "--checkpoint", "latest"], _nan_weights,
+     ["NaN or inf", "step_00000002"]),
+    ("generate run.json not JSON", ["generate", *R, "--prompt", "x"], _run_json_garbage, ["run.json"]),
+    # export
+    ("export --format bogus", ["export", *R, "--out", "{tmp}/x", "--format", "bogus"], _run_copy,
+     ["--format", "bogus"]),
+    ("export --run missing", ["export", "--run", "{tmp}/none", "--out", "{tmp}/x", "--format", "hf"], None,
+     ["{tmp}/none"]),
+    ("export --out a file", ["export", *R, "--out", "{tmp}/file", "--format", "hf"], _file_and_run, ["/file"]),
+    # doctor
+    ("doctor --hostfile missing", ["doctor", "--hostfile", "{tmp}/none"], None, ["hostfile {tmp}/none", "No such"]),
+    ("doctor --hostfile binary", ["doctor", "--hostfile", "{tmp}/hosts"], _hostfile_binary,
+     ["hostfile {tmp}/hosts", "binary"]),
+    ("doctor --hostfile bad slots", ["doctor", "--hostfile", "{tmp}/hosts"], _hostfile_bad_slots,
+     ["slots=four", "line 1"]),
+    # demo
+    ("demo --time-budget 0", ["demo", "--out", "{tmp}/d", "--time-budget", "0"], None, ["--time-budget", "0"]),
+    ("demo --time-budget nan", ["demo", "--out", "{tmp}/d", "--time-budget", "nan"], None, ["--time-budget", "nan"]),
+    ("demo --out a file", ["demo", "--out", "{tmp}/file"], _a_file, ["--out", "/file"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "setup", "words"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_input_is_one_line(argv, setup, words, made, tmp_path, monkeypatch, capsys):
+    stack: list = []
+    try:
+        extra = setup(tmp_path, made, monkeypatch, stack) if setup else {}
+        values = {"tmp": tmp_path, "corpus": made / "corpus.txt", "data": made / "data", "pid": f"pid {os.getpid()}",
+                  "host": socket.gethostname(), **extra}  # fmt: skip
+        capsys.readouterr()
+        code = main([a.format(**values) for a in argv])
+        err = capsys.readouterr().err.strip()
+    finally:
+        for undo in stack:
+            undo()
+    command = argv[0]
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"lmtrain {command}: error: ")]
+    assert code == 2 and len(lines) == 1, err
+    for word in words:
+        assert word.format(**values) in lines[0], (word.format(**values), lines[0])
