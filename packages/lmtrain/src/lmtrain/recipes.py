@@ -33,7 +33,8 @@ TRAIN_RECIPES: dict[str, dict[str, Any]] = {
         eval_batches=4,
         precision="fp32",
     ),  # fmt: skip
-    # From the TinyShakespeare runs in docs/benchmarks.md: small batches (more steps) and lr 3e-3 did best.
+    # From the tuning runs in docs/benchmarks.md (tools/tune_cpu_small.py): a narrow model, a 128-token context and
+    # small batches (more steps) did best; lr 3e-3 against 5e-3 is within their noise.
     "cpu-small": dict(
         lr=3e-3,
         min_lr=3e-4,
@@ -64,7 +65,7 @@ class DataConfig:
     `seq_len=None` trains at the model's `context_length`. `sampler` is "random" (i.i.d. windows, nanoGPT's
     recipe) or "epoch" (every window once per epoch, shuffled). `cpu_threads=None` lets a single-process CPU run
     time a few steps with one thread and with all cores and keep the faster (on a shared 2-core machine one
-    thread measured 5x faster, docs/benchmarks.md); OMP_NUM_THREADS in the environment also skips the probe.
+    thread measured about 4x faster, tools/bench_threads.py); OMP_NUM_THREADS in the environment also skips the probe.
 
     Example:
         >>> DataConfig(seq_len=128).sampler
