@@ -8,10 +8,11 @@ blocks the next one; the PID written inside is only for the message, never trust
 Under torchrun only global rank 0 takes the lock: the other ranks of the same job write into the same run
 directory on purpose.
 
-Network filesystems: on NFS, Linux implements flock with the server's byte-range locks, so the lock holds between
-machines only where the mount supports locking (NFSv4, or NFSv3 with lockd; not a `nolock` mount, where each
-client sees only its own locks) and it outlives a client that dies without unlocking until the server's lease
-expires (90 s by default on NFSv4). Filesystems without locks refuse with ENOLCK: a one-line error.
+Network filesystems: on NFS, Linux emulates flock with a byte-range lock on the whole file held by the server, so
+the lock holds between machines only where the mount supports locking (NFSv4, or NFSv3 with lockd; not a `nolock`
+mount, where each client sees only its own locks). The lock of a machine that dies (rather than a process) is freed
+by the server: on NFSv4 when the client's lease expires (90 s by default on a Linux server), on NFSv3 only when that
+machine boots again and its statd tells the server. Filesystems without locks refuse with ENOLCK: a one-line error.
 """
 
 from __future__ import annotations
