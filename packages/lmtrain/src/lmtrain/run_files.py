@@ -29,15 +29,23 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise LmtrainError(f"{path}: missing ({what})") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LmtrainError(f"{path}: unreadable {what}: {exc}") from None
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON through a temporary file and a rename, so a kill never leaves half a file."""
+    """Write JSON through a temporary file, fsync and a rename, so a kill or a power cut never leaves half a file;
+    a failed write (a full disk) removes the temporary file and raises an OSError that names ``path``."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -51,9 +59,14 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     data = Path(data_dir)
     where = data / META_FILE
     meta = read_json(where, "written by `lmtrain prepare`")
+    if not isinstance(meta, dict):
+        raise LmtrainError(f"{where}: expected a JSON object, found {type(meta).__name__}; re-run `lmtrain prepare`")
     for key in ("tokenizer", "train", "val"):
         if key not in meta:
             raise LmtrainError(f"{where}: no {key!r} entry; re-run `lmtrain prepare`")
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise LmtrainError(f"{where}: vocab_size must be a positive integer, found {vocab!r}; re-run `lmtrain prepare`")
     root = data.resolve()
 
     def inside(value: Any, what: str) -> Path:
@@ -90,8 +103,15 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """RUN_DIR/run.json as written by `lmtrain train`."""
-    return read_json(Path(run_dir) / RUN_FILE, "written by `lmtrain train`")
+    """RUN_DIR/run.json as written by `lmtrain train`: a JSON object whose three configs are objects."""
+    path = Path(run_dir) / RUN_FILE
+    run = read_json(path, "written by `lmtrain train`")
+    for key in ("model_config", "train_config", "data_config"):
+        if not isinstance(run.get(key) if isinstance(run, dict) else None, dict):
+            found = type(run.get(key)).__name__ if isinstance(run, dict) and key in run else "nothing"
+            raise LmtrainError(f"{path}: expected {key!r} to be an object, found {found}; restore the file `lmtrain "
+                               "train` wrote")  # fmt: skip
+    return run
 
 
 def load_trained_model(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 
@@ -39,12 +40,12 @@ def generate_text(
 
     if max_new_tokens < 0:
         raise LmtrainError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise LmtrainError(f"--temperature must be >= 0, got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise LmtrainError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise LmtrainError(f"--top-k must be >= 1, got {top_k}")
     where = resolve_device(device)
-    model, run, _ = load_trained_model(
+    model, run, path = load_trained_model(
         run_dir, str(where), checkpoint=checkpoint, dtype=resolve_dtype(dtype, where), on_note=on_note
     )
     sp = load_tokenizer(run_dir)
@@ -57,15 +58,18 @@ def generate_text(
     if eos_id is not None and eos_id >= 0 and not (document_attention and ids):
         ids = [eos_id] + ids
     top_k = None if top_k is None else min(top_k, model.config.vocab_size)
-    out = generate(
-        model,
-        torch.tensor([ids], dtype=torch.long, device=where),
-        max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        eos_id=eos_id,
-        seed=seed,
-    )
+    try:
+        out = generate(
+            model,
+            torch.tensor([ids], dtype=torch.long, device=where),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            eos_id=eos_id,
+            seed=seed,
+        )
+    except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
+        raise LmtrainError(f"{path}: {exc}") from None
     new = [int(i) for i in out[0, len(ids) :].tolist()]
     if eos_id is not None and eos_id in new:
         new = new[: new.index(eos_id)]
