@@ -73,9 +73,15 @@ def _documented_install(session: nox.Session, readme: Path) -> None:
     session.run("python", "-m", "pip", "install", *lines[0])
 
 
+def _test_env(session: nox.Session) -> dict[str, str]:
+    # DeepSpeed JIT-builds its CPU ops into torch's extension cache, keyed by name only: venvs sharing the default
+    # cache rebuild each other's builds (minutes on a busy machine). One cache per venv keeps each build.
+    return {**TEST_ENV, "TORCH_EXTENSIONS_DIR": str(Path(session.virtualenv.location) / "torch_extensions")}
+
+
 def _pytest(session: nox.Session, *paths: str) -> None:
     # nox fails the session on any non-zero exit, pytest's 5 ("no tests collected") included.
-    session.run("pytest", *paths, *session.posargs, env=TEST_ENV)
+    session.run("pytest", *paths, *session.posargs, env=_test_env(session))
 
 
 @nox.session(python="3.11", tags=["ci"])
@@ -158,7 +164,7 @@ def deepspeed_lower_bound(session: nox.Session) -> None:
     session.install(_path("trainloop", TEST_EXTRAS["trainloop"]), f"deepspeed=={version}", *TEST_TOOLS, env=env)
     session.chdir(PACKAGES_DIR / "trainloop")
     # test_extras checks that the installed DeepSpeed lies in the declared range: below it, that test fails too.
-    session.run("pytest", "tests/test_deepspeed.py", "tests/test_extras.py", env=TEST_ENV)
+    session.run("pytest", "tests/test_deepspeed.py", "tests/test_extras.py", env=_test_env(session))
 
 
 @nox.session(python="3.11")
