@@ -8,7 +8,7 @@ from trainloop.calibration import calibrate
 from trainloop.checkpoint import CheckpointError, CheckpointStore, latest_checkpoint, load_model_weights
 from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
 from trainloop.config import ConfigError, TrainConfig, load_clip_groups
-from trainloop.ds_config import build_ds_config
+from trainloop.ds_config import Adoption, adopt_ds_config, build_ds_config
 from trainloop.engine import Engine
 from trainloop.evaluation import evaluate
 from trainloop.faults import CollectiveError, NonFiniteLossError
@@ -18,6 +18,7 @@ from trainloop.trainer import Trainer
 from trainloop.version import __version__
 
 __all__ = [
+    "Adoption",
     "BudgetSchedule",
     "CheckpointError",
     "CheckpointStore",
@@ -33,6 +34,7 @@ __all__ = [
     "Trainer",
     "__version__",
     "adamw_param_groups",
+    "adopt_ds_config",
     "build_ds_config",
     "calibrate",
     "evaluate",
