@@ -50,20 +50,8 @@ def deepspeed_launcher(*args: str) -> list[str]:
             str(free_port()), *args]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "local_rank_flag",
-    [
-        pytest.param(
-            "appended",
-            marks=pytest.mark.xfail(
-                reason="the deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain "
-                "--local_rank=0 train ...), and only `lmtrain train` accepts it, not the top-level parser",
-                strict=True,
-            ),
-        ),
-        "--no_local_rank",
-    ],
-)
+# As the launcher runs it (python -m lmtrain --local_rank=0 train ...), and with --no_local_rank.
+@pytest.mark.parametrize("local_rank_flag", ["appended", "--no_local_rank"])
 def test_deepspeed_launcher(prepared, tmp_path, local_rank_flag):
     if not DEEPSPEED.is_file():
         pytest.skip(f"no deepspeed launcher next to {sys.executable}")

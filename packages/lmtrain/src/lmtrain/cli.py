@@ -8,6 +8,7 @@ DeepSpeed are slow to import.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 
@@ -78,7 +79,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", default=None, help="lmcore preset name (default cpu-small)")
     model.add_argument("--model-config", default=None, metavar="config.json", help="model config JSON file")
-    p.add_argument("--deepspeed", default=None, metavar="ds_config.json", help="train with DeepSpeed and this config")
+    p.add_argument(
+        "--deepspeed",
+        default=None,
+        metavar="ds_config.json",
+        help="train with DeepSpeed and this config; the values it sets (batch keys, bf16/fp16, optimizer lr, betas, "
+        "eps, weight_decay, a WarmupLR/WarmupDecayLR/WarmupCosineLR scheduler, gradient_clipping) become the run's, "
+        '"auto" takes the run\'s value, and a value that differs from a --set one is an error',
+    )
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps to train")
     p.add_argument(
         "--time-budget",
@@ -88,7 +96,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="bound on training wall-clock; ends with a final checkpoint and evaluation",
     )
     restart = p.add_mutually_exclusive_group()
-    restart.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in RUN_DIR")
+    restart.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in RUN_DIR. Only resume run directories you trust: a --deepspeed "
+        "run's optimizer state is loaded by DeepSpeed, which unpickles (runs code from) its files",
+    )
     restart.add_argument(
         "--overwrite",
         action="store_true",
@@ -228,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train ALiBi GPT models: prepare data, train, evaluate, generate, export, preflight checks, demo.",
     )
     parser.add_argument("--version", action="version", version=f"lmtrain {__version__}")
+    # The deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain --local_rank=0 train ...).
+    parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_export, _add_doctor, _add_demo):
         add(sub)
@@ -237,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lmtrain` command; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    if args.launcher_local_rank is not None:
+        import os
+
+        os.environ.setdefault("LOCAL_RANK", str(args.launcher_local_rank))
     # Lazy imports: each subcommand pulls in only what it needs.
     if args.command == "prepare":
         from lmtrain.prepare_data import run_prepare as run
@@ -252,12 +271,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lmtrain.doctor import run_doctor as run
     else:
         from lmtrain.demo import run_demo as run
-    from lmtrain.errors import LmtrainError
+    from lmtrain.errors import LmtrainError, no_space_message
+    from lmtrain.run_lock import output_lock
 
+    writes = args.out if args.command in ("prepare", "train", "demo") else None  # one writer per output directory
     try:
-        return int(run(args) or 0)
+        with output_lock(args.command, writes):
+            return int(run(args) or 0)
     except LmtrainError as err:
         print(f"lmtrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"lmtrain {args.command}: error: {no_space_message(err, getattr(args, 'out', None))}", file=sys.stderr)
         return 2
 
 
