@@ -7,85 +7,41 @@ take (a 10-minute evaluation, a 10-minute collective timeout), so a pass means t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import threading
 import time
 
-import psutil
-from launch import command, env
+from launch import command
+from watch import Watched
 
 from trainloop.checkpoint import CheckpointStore, verify_checkpoint
 
 SCRIPT = "train_signals.py"
 
 
-class Watched:
-    """A process whose output lines are collected by a thread, so the test can wait for one without blocking."""
+def _start(args: dict, nproc: int = 1) -> Watched:
+    return Watched(command(SCRIPT, args, nproc))
 
-    def __init__(self, args: dict, nproc: int = 1) -> None:
-        self.proc = subprocess.Popen(command(SCRIPT, args, nproc), env=env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self._reader.start()
 
-    def wait_for(self, prefix: str, timeout: float = 240) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            hit = next((ln for ln in list(self.lines) if ln.startswith(prefix)), None)
-            if hit is not None:
-                return hit
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.05)
-        self.kill()
-        raise AssertionError(f"never saw {prefix!r}:\n{self.output()[-4000:]}")
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            self._reader.join(timeout=10)
-            raise AssertionError(f"still running {timeout} s after the signal:\n{self.output()[-4000:]}") from None
-        self._reader.join(timeout=30)
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL the process and every process under it (torchrun's workers run in sessions of their own)."""
-        try:
-            procs = [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]
-        except psutil.NoSuchProcess:
-            procs = []
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        self.proc.wait()
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def summaries(self) -> dict[int, dict]:
-        out = {}
-        for line in self.lines:
-            if line.startswith("SUMMARY "):
-                _, rank, payload = line.split(" ", 2)
-                out[int(rank)] = json.loads(payload)
-        return out
+def _summaries(run: Watched) -> dict[int, dict]:
+    """rank -> the SUMMARY line that rank printed."""
+    out = {}
+    for line in run.lines:
+        if line.startswith("SUMMARY "):
+            _, rank, payload = line.split(" ", 2)
+            out[int(rank)] = json.loads(payload)
+    return out
 
 
 def test_sigterm_during_the_final_evaluation_still_saves_and_exits_zero(tmp_path):
     # 300 evaluation batches of 2 s each: only an evaluation that stops on the signal ends within the bound.
     args = {"run_dir": str(tmp_path), "max_steps": 4, "eval_sleep_s": 2.0, "eval_batches_n": 300}
-    run = Watched(args)
-    run.wait_for("EVAL 0 4")
+    run = _start(args)
+    run.wait_for("EVAL 0 4", start=True)
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish(timeout=120) == 0, run.output()[-4000:]
-    summary = run.summaries()[0]
+    summary = _summaries(run)[0]
     assert summary["step"] == 4 and summary["eval"] is None and summary["stopped"] == "SIGTERM"
     ckpt, skipped = CheckpointStore(tmp_path).find_resumable(verify="full")
     assert ckpt is not None and ckpt.name == "step_00000004" and not skipped
@@ -94,15 +50,15 @@ def test_sigterm_during_the_final_evaluation_still_saves_and_exits_zero(tmp_path
 
 def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     args = {"run_dir": str(tmp_path), "max_steps": 100000, "t_max": 1000}
-    run = Watched(args, nproc=2)
-    pid = int(run.wait_for("PID 1 ").split()[2])
-    run.wait_for("[trainloop")  # training has started: the step lines are rank 0's
+    run = _start(args, nproc=2)
+    pid = int(run.wait_for("PID 1 ", start=True).split()[2])
+    run.wait_for("[trainloop", start=True)  # training has started: the step lines are rank 0's
     time.sleep(1.0)
     signalled = time.monotonic()
     os.kill(pid, signal.SIGTERM)  # rank 1 only: torchrun and rank 0 never see it
     assert run.finish(timeout=120) == 0, run.output()[-4000:]
     waited = time.monotonic() - signalled
-    summaries = run.summaries()
+    summaries = _summaries(run)
     assert set(summaries) == {0, 1}, run.output()[-4000:]
     assert summaries[1]["stopped"] == "SIGTERM" and summaries[0]["stopped"] == "signal on another rank"
     assert summaries[0]["step"] == summaries[1]["step"] < 100000
@@ -115,12 +71,12 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
 def test_sigterm_to_one_rank_during_the_final_evaluation(tmp_path):
     # Rank 1 is signalled while both evaluate slowly; both must drop the evaluation and save the same checkpoint.
     args = {"run_dir": str(tmp_path), "max_steps": 3, "eval_sleep_s": 2.0, "eval_batches_n": 300}
-    run = Watched(args, nproc=2)
-    pid = int(run.wait_for("PID 1 ").split()[2])
-    run.wait_for("EVAL 1 3")
+    run = _start(args, nproc=2)
+    pid = int(run.wait_for("PID 1 ", start=True).split()[2])
+    run.wait_for("EVAL 1 3", start=True)
     os.kill(pid, signal.SIGTERM)
     assert run.finish(timeout=120) == 0, run.output()[-4000:]
-    summaries = run.summaries()
+    summaries = _summaries(run)
     assert summaries[0]["eval"] is None and summaries[1]["eval"] is None
     assert summaries[0]["step"] == summaries[1]["step"] == 3
     assert verify_checkpoint(CheckpointStore(tmp_path).step_dir(3), verify="full") is None
