@@ -134,8 +134,9 @@ def integration(session: nox.Session) -> None:
         session.error(f"an unrelated project's distribution got installed: {', '.join(foreign)}")
     session.run("python", "-c", "import alibi_kernels, gpumon, lmcore, lmtrain, tokbin, trainloop")
     session.run("lmtrain", "--help", silent=True)
-    # The two-rank tests need DeepSpeed whether or not the README's line asks for it (then this is a no-op).
-    session.install(*_with_siblings("lmtrain", ["deepspeed"]), *TEST_TOOLS)
+    # The two-rank tests need DeepSpeed (in the extra's range) whether or not the README's line brought it.
+    deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
+    session.install(*deepspeed, *TEST_TOOLS)
     _pytest(session, "integration_tests")
 
 
