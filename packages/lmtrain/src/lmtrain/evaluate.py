@@ -252,6 +252,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.repeat < 1:
         raise LmtrainError(f"--repeat must be >= 1, got {args.repeat}")
+    for flag, value in (("--context", args.context), ("--stride", args.stride)):
+        if value is not None and value < 1:
+            raise LmtrainError(f"{flag} must be >= 1 (tokens), got {value}")
     path = Path(args.text)
     try:
         text = path.read_text(encoding="utf-8")
@@ -266,11 +269,11 @@ def run_eval(args: argparse.Namespace) -> int:
             str(device),
             checkpoint=args.checkpoint,
             dtype=dtype,
-            on_note=lambda note: rank == 0 and print(f"lmtrain eval: {note}", file=sys.stderr),
+            on_note=(lambda note: print(f"lmtrain eval: {note}", file=sys.stderr)) if rank == 0 else None,
         )
         sp = load_tokenizer(args.run)
-        context = args.context or run["data_config"]["seq_len"]
-        stride = args.stride or max(1, context // 2)
+        context = args.context if args.context is not None else run["data_config"]["seq_len"]
+        stride = args.stride if args.stride is not None else max(1, context // 2)
         result = evaluate_text(
             model, sp, text, context=context, stride=stride, eos_id=run.get("eos_id"), repeat=args.repeat,
             seeds=args.seeds, rank=rank, world_size=world_size,
