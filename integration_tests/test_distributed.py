@@ -52,6 +52,16 @@ def test_two_ranks_deepspeed_zero2_bf16(prepared, texts, tmp_path):
     _, val = texts
     ev = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32")
     assert json.loads(ev.stdout.strip().splitlines()[-1])["tokens"] > 0
+    # One process resumes it: DeepSpeed's universal checkpoint re-partitions the optimizer state, the accumulation
+    # doubles to keep the global batch of 8 rows, and the data stream is re-split.
+    resumed = run_lmtrain(
+        "train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--deepspeed", str(ds_config),
+        "--max-steps", "16", "--resume", "--set", "precision=bf16", "--set", "log_every=2", "--set", "micro_batch=4",
+    )  # fmt: skip
+    assert "resuming a run of 2 rank(s) on 1: grad_accum 1 -> 2 keeps the global batch of 8 rows" in resumed.stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [2, 4, 6, 8, 10, 12, 14, 16]
+    manifest = json.loads((run / "checkpoints" / "step_00000016" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and json.loads((run / "run.json").read_text())["world_size"] == 1
 
 
 def test_lost_node_fails_the_other_with_a_clear_error(prepared, tmp_path):

@@ -38,8 +38,9 @@ def test_train_eval_generate(prepared, texts, tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 0.3, "the loss should fall"
     assert (run / "loss.png").stat().st_size > 1000
     assert (run / "tokenizer.model").is_file()
-    # gpumon records the host (CPU, RSS) where there is no GPU driver.
-    assert len((run / "gpumon.csv").read_text().splitlines()) > 2
+    # gpumon records the host (CPU, RSS) where there is no GPU driver, into a file named after the host.
+    (recording,) = run.glob("gpumon.*.csv")
+    assert len(recording.read_text().splitlines()) > 2
 
     result = run_lmtrain("eval", "--run", str(run), "--text", str(val), "--json", "--context", "32", "--stride", "16")
     ev = json.loads(result.stdout.strip().splitlines()[-1])

@@ -4,6 +4,7 @@ run directory that is never overwritten by accident, and the deepspeed launcher'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from conftest import read_metrics, run_lmtrain
 
@@ -48,3 +49,37 @@ def test_a_fresh_run_refuses_a_run_directory_with_checkpoints(prepared, tmp_path
     assert (run / "checkpoints" / "step_00000003").is_dir()
     run_lmtrain(*args, "--overwrite", "--local-rank", "0")
     assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 3
+
+
+def test_train_on_a_blend_of_two_corpora(prepared, texts, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    data = tmp_path / "data"
+    shutil.copytree(prepared, data)
+    train, val = texts
+    # A second corpus encoded with the data directory's tokenizer, then a 3:1 blend with the prepared split.
+    tokbin = str(Path(sys.executable).with_name("tokbin"))
+    encode = [tokbin, "encode", "--tokenizer", str(data / "tokenizer.model"), "--input", str(val), "--output",
+              str(data / "second.bin"), "--quiet"]  # fmt: skip
+    subprocess.run(encode, check=True, env=child_env(), capture_output=True)
+    meta = json.loads((data / "meta.json").read_text())
+    spec = data / "mix.json"
+    spec.write_text(json.dumps({"sources": [{"path": meta["train"]["file"], "weight": 3}, {"path": "second.bin",
+                                                                                       "weight": 1}]}))  # fmt: skip
+    run = tmp_path / "run"
+    run_lmtrain("train", "--data", str(spec), "--out", str(run), "--preset", "tiny", "--max-steps", "4",
+                "--set", "log_every=1")  # fmt: skip
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
+    assert json.loads((run / "run.json").read_text())["data"] == str(spec.resolve())
+    # Sources encoded with another tokenizer are refused before anything trains.
+    other = tmp_path / "other"
+    run_lmtrain("prepare", "--text", str(train), "--out", str(other), "--vocab-size", "400")
+    shutil.copy(other / json.loads((other / "meta.json").read_text())["train"]["file"], data / "foreign.bin")
+    spec.write_text(json.dumps({"sources": [{"path": "foreign.bin", "weight": 1}]}))
+    bad = run_lmtrain("train", "--data", str(spec), "--out", str(tmp_path / "bad"), "--preset", "tiny", check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "tokenizer" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -60,5 +60,5 @@ def test_cluster_config_matches_the_1_3b_preset():
     config = ModelConfig.from_dict(json.loads((kit / "config.json").read_text()))
     assert n_params(config) == n_params(ModelConfig.from_preset("1.3b"))
     ds = json.loads((kit / "ds_config.json").read_text())
-    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 0.0
+    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 1.0
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 16

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lmtrain.data_check import check_token_data
 from lmtrain.errors import LmtrainError, OverrideError
 from lmtrain.overrides import apply_overrides, parse_pairs
 from lmtrain.recipes import DEFAULT_PRESET, DataConfig, data_recipe, train_recipe
@@ -38,8 +39,11 @@ def overridden_keys(pairs: list[str]) -> set[str]:
     return {key.split(".")[-1] for key, _ in parse_pairs(pairs)}
 
 
-def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, Any, DataConfig, str | None]:
-    """(ModelConfig, TrainConfig, DataConfig, recipe name) from the flags, the data and the run's saved configs."""
+def build_configs(
+    args: argparse.Namespace, meta: dict[str, Any]
+) -> tuple[Any, Any, DataConfig, str | None, set[str]]:
+    """(ModelConfig, TrainConfig, DataConfig, recipe name, fields set on purpose) from the flags, the data and the
+    run's saved configs. The fields set on purpose are those of `--set` and those the `--deepspeed` JSON sets."""
     from lmcore import ModelConfig
     from lmtrain.model_setup import base_model_config
     from trainloop import TrainConfig
@@ -48,9 +52,16 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
     if args.resume and run_json.is_file():
         # A resumed run keeps the configs it started with (a recalibrated schedule would change its future).
         run = read_run(args.out)
-        model_cfg = ModelConfig.from_dict(run["model_config"])
-        train_cfg = TrainConfig.from_dict(run["train_config"])
-        data_cfg = DataConfig(**run["data_config"])
+        try:
+            model_cfg = ModelConfig.from_dict(run["model_config"])
+            train_cfg = TrainConfig.from_dict(run["train_config"])
+            data_cfg = DataConfig(**run["data_config"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise LmtrainError(
+                f"{run_json}: the run's saved configs do not load ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}): expected the file `lmtrain train` wrote; restore "
+                "it, or start the run over with --overwrite"
+            ) from None
         recipe = run.get("recipe")
     else:
         model_cfg = base_model_config(
@@ -81,6 +92,22 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
             configs["train"] = dataclasses.replace(cfg, max_steps=args.max_steps, t_max=t_max, warmup_steps=warmup)
         except ValueError as exc:
             raise OverrideError(f"--max-steps {args.max_steps}: {exc}") from exc
+    if args.deepspeed:
+        # The DeepSpeed JSON is the user's word like --set: its values replace the recipe's, "auto" takes the run's,
+        # and a value that differs from a --set one is an error (all of them in one). The Trainer prints the line
+        # saying what was taken; a bad file stops here, before anything is written.
+        import torch
+
+        from trainloop import ConfigError, adopt_ds_config
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            adoption = adopt_ds_config(args.deepspeed, configs["train"], world, on_cpu=not torch.cuda.is_available(),
+                                       explicit=set_keys, explicit_prefix="--set ")  # fmt: skip
+        except ConfigError as exc:
+            raise LmtrainError(str(exc)) from None
+        configs["train"] = adoption.config
+        set_keys |= adoption.fields
     model_cfg, train_cfg, data_cfg = configs["model"], configs["train"], configs["data"]
     if model_cfg.vocab_size < meta["vocab_size"]:
         raise LmtrainError(
@@ -89,7 +116,7 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
         )
     if data_cfg.seq_len is None:
         data_cfg = dataclasses.replace(data_cfg, seq_len=model_cfg.context_length)
-    return model_cfg, train_cfg, data_cfg, recipe
+    return model_cfg, train_cfg, data_cfg, recipe, set_keys
 
 
 def document_separator_of(token_file: str) -> int:
@@ -111,6 +138,32 @@ def document_separator_of(token_file: str) -> int:
             "documents cannot be told apart; re-encode with EOS or drop the flag"
         )
     return int(eos_id)
+
+
+def open_train_data(blend_spec: Path | None, meta: dict[str, Any]) -> Any:
+    """The training tokens: the prepared split (a token file or a shard directory), or the blend `blend_spec` names,
+    whose sources must be encoded with the data directory's tokenizer.
+
+    Example:
+        >>> open_train_data(Path("data/mix.json"), read_meta("data"))  # doctest: +SKIP
+        Blend(sources[0] (data/web.bin): 0.7, sources[1] (data/books.bin): 0.3; n_tokens=..., vocab_size=32000)
+    """
+    import tokbin
+
+    try:
+        if blend_spec is None:
+            return tokbin.open_tokens(meta["train_path"])
+        blend = tokbin.Blend.from_spec(blend_spec)
+    except tokbin.TokenFileError as exc:
+        raise LmtrainError(str(exc)) from None
+    tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"])
+    if blend.tokenizer_sha256 not in (None, tokenizer_sha):
+        raise LmtrainError(
+            f"{blend_spec}: its sources were encoded with a tokenizer of sha256 {blend.tokenizer_sha256}, "
+            f"{meta['tokenizer_path']} has sha256 {tokenizer_sha}: encode them with that tokenizer "
+            "(`tokbin encode --tokenizer ...`) or put the blend beside the data they were prepared with"
+        )
+    return blend
 
 
 def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int) -> tuple[int, dict[int, float]]:
@@ -157,6 +210,31 @@ def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0
     return batches
 
 
+def keep_global_batch(train_cfg: Any, rows: int, world: int, fixed: set[str]) -> tuple[Any, str]:
+    """The TrainConfig that keeps a resumed run's global batch of `rows` rows per optimizer step on `world` ranks, by
+    changing the accumulation (else the micro batch), and a note saying what was done. Fields in `fixed` (set with
+    --set or by the DeepSpeed JSON) are left as they are.
+
+    Example:
+        >>> cfg, note = keep_global_batch(TrainConfig(micro_batch=8, grad_accum=1), 16, 1, set())  # doctest: +SKIP
+        >>> cfg.grad_accum, note  # doctest: +SKIP
+        (2, 'grad_accum 1 -> 2 keeps the global batch of 16 rows')
+    """
+    micro, accum = train_cfg.micro_batch, train_cfg.grad_accum
+    if micro * accum * world == rows:
+        return train_cfg, f"the global batch stays {rows} rows (micro_batch {micro} x grad_accum {accum})"
+    if "grad_accum" not in fixed and rows % (micro * world) == 0:
+        new = dataclasses.replace(train_cfg, grad_accum=rows // (micro * world))
+        return new, f"grad_accum {accum} -> {new.grad_accum} keeps the global batch of {rows} rows"
+    if "micro_batch" not in fixed and rows % (accum * world) == 0:
+        new = dataclasses.replace(train_cfg, micro_batch=rows // (accum * world))
+        return new, f"micro_batch {micro} -> {new.micro_batch} keeps the global batch of {rows} rows"
+    return train_cfg, (
+        f"the global batch changes from {rows} to {micro * accum * world} rows ({rows} does not split over "
+        f"{world} ranks with the batch settings given); set micro_batch/grad_accum with --set to choose"
+    )
+
+
 def budget_plan(train_cfg: Any, budget_s: float, step_s: float | None) -> tuple[Any, dict[str, Any]]:
     """The TrainConfig of a run sized to `budget_s` seconds, and the BudgetSchedule's keyword arguments.
 
@@ -185,8 +263,14 @@ def run_train(args: argparse.Namespace) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    meta = read_meta(args.data)
-    model_cfg, train_cfg, data_cfg, recipe = build_configs(args, meta)
+    # --data is a prepared directory, or a blend spec (JSON) inside one: the directory gives the tokenizer and the
+    # validation split, the blend the training data.
+    blend_spec = Path(args.data) if Path(args.data).suffix == ".json" else None
+    meta = read_meta(blend_spec.parent if blend_spec else args.data)
+    model_cfg, train_cfg, data_cfg, recipe, set_keys = build_configs(args, meta)
+    train_data = open_train_data(blend_spec, meta)
+    # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
+    check_token_data([train_data, meta["val_path"]], model_cfg.vocab_size, fallback_cache_dir=args.out)
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed = args.resume and (run_dir / RUN_FILE).is_file()
@@ -201,7 +285,6 @@ def run_train(args: argparse.Namespace) -> int:
         step_s = timings[threads]
         print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
               + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
-    set_keys = overridden_keys(args.overrides)
     # Size the schedule to the budget while training, unless steps or the schedule are set explicitly. A resumed
     # run keeps what it started with (run.json), its plan restored from the checkpoint.
     if resumed:
@@ -212,6 +295,12 @@ def run_train(args: argparse.Namespace) -> int:
             and args.max_steps is None
             and not ({"max_steps", "t_max", "schedule", "wsd_decay_steps"} & set_keys)
         )
+    if resumed and (saved_world := int(read_run(args.out).get("world_size", world_size))) != world_size:
+        saved = read_run(args.out)["train_config"]
+        rows = int(saved["micro_batch"]) * int(saved["grad_accum"]) * saved_world
+        train_cfg, note = keep_global_batch(train_cfg, rows, world_size, set_keys)
+        if rank == 0:
+            print(f"lmtrain: resuming a run of {saved_world} rank(s) on {world_size}: {note}", flush=True)
     schedule_kwargs: dict[str, Any] = {}
     if budgeted and not resumed:
         # The budget counts from the command's start: setup and the thread probe are charged to it.
@@ -219,7 +308,12 @@ def run_train(args: argparse.Namespace) -> int:
         train_cfg, schedule_kwargs = budget_plan(train_cfg, remaining, step_s)
     if rank == 0:
         shutil.copyfile(meta["tokenizer_path"], run_dir / TOKENIZER_FILE)
-        if not resumed:
+        if resumed:
+            # The world size and the batch split it implies are the run's from now on.
+            run = read_run(args.out)
+            run.update(world_size=world_size, train_config=train_cfg.to_dict())
+            write_json_atomic(run_dir / RUN_FILE, run)
+        else:
             write_json_atomic(
                 run_dir / RUN_FILE,
                 {
@@ -244,12 +338,18 @@ def run_train(args: argparse.Namespace) -> int:
             f"{world_size} rank(s), lr {train_cfg.lr:g}, {steps}",
             flush=True,
         )
-    train_file = tokbin.TokenFile(meta["train_path"])
-    val_file = tokbin.TokenFile(meta["val_path"])
-    sampler_cls = tokbin.RandomWindows if data_cfg.sampler == "random" else tokbin.EpochWindows
-    sampler = sampler_cls(train_file.n_tokens, data_cfg.seq_len, train_cfg.micro_batch, seed=train_cfg.seed,
-                          rank=rank, world_size=world_size)  # fmt: skip
-    loader = tokbin.Loader(train_file, sampler, max_prefetch=data_cfg.prefetch)
+    val_file = tokbin.open_tokens(meta["val_path"])
+    if blend_spec is not None:
+        if data_cfg.sampler != "random":
+            raise LmtrainError(f"--data {blend_spec}: a blend draws its windows at random by weight; drop "
+                               f"--set sampler={data_cfg.sampler}")  # fmt: skip
+        sampler = train_data.sampler(data_cfg.seq_len, train_cfg.micro_batch, seed=train_cfg.seed, rank=rank,
+                                     world_size=world_size)  # fmt: skip
+    else:
+        sampler_cls = tokbin.RandomWindows if data_cfg.sampler == "random" else tokbin.EpochWindows
+        sampler = sampler_cls(train_data.n_tokens, data_cfg.seq_len, train_cfg.micro_batch, seed=train_cfg.seed,
+                              rank=rank, world_size=world_size)  # fmt: skip
+    loader = tokbin.Loader(train_data, sampler, max_prefetch=data_cfg.prefetch)
     eval_windows = None if train_cfg.eval_batches is None else train_cfg.eval_batches * train_cfg.micro_batch
     eval_data = val_batches(val_file, data_cfg.seq_len, train_cfg.micro_batch, rank=rank, world_size=world_size,
                             max_windows=eval_windows)  # fmt: skip
@@ -281,7 +381,7 @@ def run_train(args: argparse.Namespace) -> int:
         loader.close()
         if monitor is not None:
             monitor.__exit__(None, None, None)
-            print(f"gpumon ({run_dir / 'gpumon.csv'}):\n{monitor.summary()}", flush=True)
+            print(f"gpumon ({monitor.out}):\n{monitor.summary()}", flush=True)
     if rank == 0:
         if budgeted:
             run = read_run(args.out)
@@ -300,7 +400,8 @@ def run_train(args: argparse.Namespace) -> int:
 def _start_monitor(run_dir: Path) -> Any:
     import gpumon
 
-    # GPUs through NVML where there is a driver, else the host (CPU, RSS) with gpumon's one-line warning.
-    monitor = gpumon.Monitor(rate_hz=100, out=run_dir / "gpumon.csv", backend="auto")
+    # GPUs through NVML where there is a driver, else the host (CPU, RSS) with gpumon's one-line warning. One file
+    # per node (its host name in the name) and per process: a restart or another node never overwrites a recording.
+    monitor = gpumon.Monitor(rate_hz=100, out=gpumon.recording_path(run_dir), backend="auto")
     monitor.__enter__()
     return monitor

@@ -41,6 +41,7 @@ class Adoption:
     config: TrainConfig
     ds_config: dict[str, Any]
     line: str
+    fields: frozenset[str] = frozenset()  # the TrainConfig fields whose value came from the DeepSpeed config
 
 
 @dataclass
@@ -111,7 +112,7 @@ def adopt_ds_config(
         wheres = ", ".join(f"{k} from {where}" for k, (_, where) in found.values.items())
         raise ConfigError(f"{_title(_name(source))}: {exc} (adopted: {wheres})") from exc
     final, line = build_ds_config(ds, new, world_size, on_cpu=on_cpu, name=_name(source))
-    return Adoption(new, final, line[0])
+    return Adoption(new, final, line[0], frozenset(found.values))
 
 
 def build_ds_config(

@@ -9,13 +9,16 @@ applied to those fragments in place, before ``engine.step()`` hands them to the 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from trainloop.checkpoint import write_weights
+from trainloop.checkpoint import CheckpointError, write_weights
 from trainloop.config import TrainConfig
+from trainloop.distributed import barrier
 from trainloop.ds_config import build_ds_config
 from trainloop.engine import make_adamw
 from trainloop.engine_torch import loss_of
@@ -23,6 +26,29 @@ from trainloop.extras import import_extra
 
 DS_SUBDIR = "deepspeed"
 DS_TAG = "state"
+
+
+def to_universal(tag_dir: Path, out_tag_dir: Path) -> None:
+    """Convert one ZeRO-1/2 checkpoint tag into DeepSpeed's universal checkpoint (any world size loads it)."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    if out_tag_dir.exists():
+        shutil.rmtree(out_tag_dir)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(out_tag_dir),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress lines would interleave with the run's log
+        ds_to_universal(args)
 
 
 def _local_fragment(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -52,6 +78,7 @@ class DeepSpeedEngine:
 
         self.config = config
         self.device = device
+        self.world_size = world_size
         self.ds_config, self.notes = build_ds_config(ds_config, config, world_size, on_cpu=device.type == "cpu")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=make_adamw(model, config), config=self.ds_config
@@ -163,12 +190,32 @@ class DeepSpeedEngine:
         if rank == 0:
             write_weights(self.module, state, ckpt_dir)
 
-    def load(self, ckpt_dir: Path) -> dict[str, Any]:
+    def load(self, ckpt_dir: Path, saved_world_size: int) -> dict[str, Any]:
+        """DeepSpeed's own checkpoint; written by another number of ranks, it is first converted to DeepSpeed's
+        universal format (rank 0, next to the checkpoint, deleted after loading), which re-partitions the optimizer
+        state for this world size."""
+        if saved_world_size == self.world_size:
+            return self._load(ckpt_dir / DS_SUBDIR, DS_TAG)
+        universal = ckpt_dir.parent / f".universal-{ckpt_dir.name}"
+        if dist.get_rank() == 0:
+            to_universal(ckpt_dir / DS_SUBDIR / DS_TAG, universal / DS_TAG)
+        barrier()
+        self.engine._config.load_universal_checkpoint = True  # read by load_checkpoint; set at init otherwise
+        try:
+            state = self._load(universal, DS_TAG)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+            barrier()
+            if dist.get_rank() == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+        return state
+
+    def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         path, client_state = self.engine.load_checkpoint(
-            str(ckpt_dir / DS_SUBDIR), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
         )
         if path is None:
-            raise RuntimeError(f"{ckpt_dir}: DeepSpeed found no checkpoint to load (different world size?)")
+            raise CheckpointError(f"{load_dir / tag}: DeepSpeed found no checkpoint to load")
         return dict(client_state or {})
 
     def config_files(self) -> dict[str, Any]:

@@ -120,7 +120,8 @@ class TorchEngine:
             state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), **client_state}
             save_torch(state, ckpt_dir / "trainer.pt")
 
-    def load(self, ckpt_dir: Path) -> dict[str, Any]:
+    def load(self, ckpt_dir: Path, saved_world_size: int) -> dict[str, Any]:
+        # Weights and optimizer state are whole (DDP keeps full replicas): any world size loads them.
         read_weights(self.module, ckpt_dir, self.device)
         state = load_torch(ckpt_dir / "trainer.pt", self.device)
         self.optimizer.load_state_dict(state.pop("optimizer"))

@@ -23,7 +23,14 @@ from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
 from trainloop.engine import Engine, set_lr
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
-from trainloop.faults import CollectiveError, NonFiniteLossError, StopSignals, collective_failure
+from trainloop.faults import (
+    CollectiveError,
+    NonFiniteLossError,
+    StopSignals,
+    collective_failure,
+    disk_full,
+    disk_full_error,
+)
 from trainloop.metrics_logging import (
     MetricsLogger,
     add_throughput,
@@ -51,7 +58,8 @@ class Trainer:
 
     Example:
         >>> cfg = TrainConfig(max_steps=100, lr=1e-3, warmup_steps=10, log_every=10, save_every=50)
-        >>> summary = Trainer(model, cfg, batches, run_dir="runs/demo", eval_data=lambda: val_batches).fit()
+        >>> trainer = Trainer(model, cfg, batches, run_dir="runs/demo", eval_data=lambda: val_batches)  # doctest: +SKIP
+        >>> summary = trainer.fit()  # doctest: +SKIP
         >>> summary["step"], summary["checkpoint"]  # doctest: +SKIP
         (100, 'runs/demo/checkpoints/step_00000100')
     """
@@ -121,8 +129,8 @@ class Trainer:
             line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}"
             bar.write(line) if bar is not None else print(line, flush=True)
 
-    def _seed(self) -> None:
-        seed = self.config.seed + self.rank
+    def _seed(self, offset: int = 0) -> None:
+        seed = self.config.seed + self.rank + 1_000_003 * offset
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
@@ -198,34 +206,35 @@ class Trainer:
         return found
 
     def load_checkpoint(self, ckpt: Path) -> None:
-        """Restore everything a checkpoint holds; tensors land on this rank's device."""
+        """Restore everything a checkpoint holds; tensors land on this rank's device.
+
+        A checkpoint written by another number of ranks resumes too: the engine re-partitions its state, each rank
+        restores its own RNG state where the checkpoint has one (a new rank is seeded from the seed, its rank and
+        the step), and ``train_data`` gets the state of the same-numbered rank (else rank 0's); tokbin's loaders
+        re-split the data stream over the new ranks from it.
+        """
         manifest = json.loads((ckpt / "manifest.json").read_text())
-        saved_world, saved_engine = manifest.get("world_size", 1), manifest.get("engine", "torch")
+        saved_world, saved_engine = int(manifest.get("world_size", 1)), manifest.get("engine", "torch")
         if saved_engine != self.engine.name:
             raise CheckpointError(
                 f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r}"
             )
-        if saved_engine == "deepspeed" and saved_world != self.world_size:
-            raise CheckpointError(
-                f"{ckpt} was written by {saved_world} DeepSpeed ranks, this run has {self.world_size}: DeepSpeed "
-                "checkpoints resume on the same world size (load_model_weights() loads the model anywhere)"
-            )
-        rank_file = self.store.rank_file(ckpt, self.rank)
-        if not rank_file.exists():
-            raise CheckpointError(
-                f"{ckpt} has no state for rank {self.rank}: it was written by {saved_world} rank(s), this run has "
-                f"{self.world_size}; resume with the same world size (load_model_weights() loads the model anywhere)"
-            )
-        state = self.engine.load(ckpt)
-        per_rank = load_torch(rank_file)
+        if saved_world != self.world_size:
+            self._say(f"{ckpt.name} was written by {saved_world} rank(s); resuming on {self.world_size}")
+        state = self.engine.load(ckpt, saved_world)
+        own = self.store.rank_file(ckpt, self.rank)
+        per_rank = load_torch(own if own.exists() else self.store.rank_file(ckpt, 0))
         try:
             self.schedule.load_state_dict(state.get("schedule", {"kind": "config"}))
         except ValueError as exc:
             raise CheckpointError(f"{ckpt}: {exc}; resume with the schedule the run was started with") from exc
-        set_rng_state(per_rank["rng"])
+        self.step = int(state["step"])
+        if own.exists():
+            set_rng_state(per_rank["rng"])
+        else:
+            self._seed(offset=self.step)
         if per_rank["loader"] is not None and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(per_rank["loader"])
-        self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.total_skips = int(state.get("total_skips", 0))
@@ -238,7 +247,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float] | None:
-        """Loss, perplexity and bits per byte on ``eval_data`` (None without eval data)."""
+        """Loss, perplexity and bits per byte on ``eval_data`` (None without eval data, or when a signal on any
+        rank stopped it: a preempted run saves at once instead of finishing a long evaluation first)."""
         if self.eval_data is None:
             return None
         return evaluate(
@@ -248,6 +258,7 @@ class Trainer:
             device=self.device,
             max_batches=self.config.eval_batches,
             bytes_per_token=self.bytes_per_token,
+            stop=lambda: self._signals.received is not None,
         )
 
     def _eval_and_track(self, logger: MetricsLogger) -> tuple[dict[str, float] | None, bool]:
@@ -257,6 +268,8 @@ class Trainer:
         """
         result = self.evaluate()
         if result is None:
+            if self.eval_data is not None:
+                self._say(f"evaluation at step {self.step} stopped by a signal (on this or another rank): not counted")
             return None, False
         logger.log({"step": self.step, **{f"eval_{k}": v for k, v in result.items()}})
         self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
@@ -387,8 +400,12 @@ class Trainer:
             summary = self._loop(logger)
             if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and summary["eval_step"] != self.step:
                 summary["eval"], _ = self._eval_and_track(logger)
+                if summary["eval"] is None:  # a signal stopped it: the run was preempted, save and go
+                    summary["stopped"] = SIGNAL_STOP
             ckpt = self.save_checkpoint() if self._last_saved_step != self.step else None
         except Exception as exc:
+            if disk_full(exc):
+                raise disk_full_error(exc, self.store, self.engine.module, self.step) from exc
             if self.world_size > 1 and collective_failure(exc):
                 raise CollectiveError(
                     f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
