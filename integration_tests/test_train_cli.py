@@ -83,3 +83,18 @@ def test_train_on_a_blend_of_two_corpora(prepared, texts, tmp_path):
     bad = run_lmtrain("train", "--data", str(spec), "--out", str(tmp_path / "bad"), "--preset", "tiny", check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "tokenizer" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_train_on_shards_written_by_prepare(texts, tmp_path):
+    train, _ = texts
+    data = tmp_path / "data"
+    # Without --val-text, prepare holds out documents (blank-line blocks) by hash: shards end at document ends.
+    run_lmtrain("prepare", "--text", str(train), "--out", str(data), "--vocab-size", "512", "--shard-mb", "0.05")
+    meta = json.loads((data / "meta.json").read_text())
+    shards = json.loads((data / meta["train"]["file"] / "manifest.json").read_text())["shards"]
+    assert len(shards) > 1
+    run = tmp_path / "run"
+    run_lmtrain("train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--max-steps", "3",
+                "--set", "log_every=1", "--document-attention")  # fmt: skip
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3]
+    run_lmtrain("doctor", "--data", str(data))  # exits non-zero on any FAIL, a shard directory's check included

@@ -208,7 +208,8 @@ def test_epoch_windows_resplit_to_another_world_size_reads_each_window_once(new_
     # A state saved after the re-split resumes it (same world size) and re-splits again (another one).
     again = EpochWindows(n_tokens, seq, batch, seed=3, rank=0, world_size=new_world)
     again.load_state_dict(new[0].state_dict())
-    assert again.resumed == new[0].resumed and again.batch(again.step)[0].tolist() == new[0].batch(new[0].step)[0].tolist()
+    assert again.resumed == new[0].resumed
+    assert again.batch(again.step)[0].tolist() == new[0].batch(new[0].step)[0].tolist()
 
 
 def test_random_windows_resplit_keeps_the_step_and_takes_the_new_share():

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tokbin import ShardedTokens, TokenFile, TokenFileError, encode_files, encode_inputs, open_tokens
+from tokbin import HashSplit, ShardedTokens, TokenFile, TokenFileError, encode_files, encode_inputs, open_tokens
 from tokbin.shards import MANIFEST
 
 SHARD_BYTES = 20_000
@@ -53,6 +53,16 @@ def test_shard_boundaries_do_not_depend_on_pieces_or_workers(tmp_path, inputs, l
     other = encode_files(lossless_model, inputs, tmp_path / "s", split_docs=True, shard_bytes=SHARD_BYTES,
                          piece_bytes=777, workers=2, progress=False)  # fmt: skip
     assert shard_bytes_of(other.path) == shard_bytes_of(sharded.path)
+
+
+def test_a_hash_split_is_sharded_like_the_whole(tmp_path, inputs, lossless_model):
+    part = HashSplit(0.1, "train")
+    whole = encode_inputs(lossless_model, inputs, tmp_path / "one.bin", split_docs=True, hash_split=part,
+                          progress=False).tokens  # fmt: skip
+    shards = encode_inputs(lossless_model, inputs, tmp_path / "shards", split_docs=True, hash_split=part,
+                           shard_bytes=SHARD_BYTES, progress=False).tokens  # fmt: skip
+    assert len(shards.shards) > 10 and shards.n_docs == whole.n_docs
+    assert np.array_equal(np.concatenate([np.asarray(s.tokens) for s in shards.shards]), np.asarray(whole.tokens))
 
 
 def test_gather_across_shard_boundaries_matches_the_single_file(single, sharded):

@@ -292,7 +292,7 @@ def check_data(data_dir: str | None) -> list[Check]:
     for split in ("train", "val"):
         path = Path(data_dir) / meta[split]["file"]
         try:
-            tokbin.TokenFile(path).verify(tokenizer)
+            tokbin.open_tokens(path).verify(tokenizer)
             checks.append(Check(OK, f"data/{split}", f"{path} verified ({meta[split]['tokens']:,} tokens)"))
         except (tokbin.TokenFileError, OSError) as exc:
             checks.append(Check(FAIL, f"data/{split}", str(exc).splitlines()[0], "re-run lmtrain prepare"))

@@ -129,7 +129,7 @@ def document_separator_of(token_file: str) -> int:
     import tokbin
 
     try:
-        eos_id = tokbin.TokenFile(token_file).eos_id
+        eos_id = tokbin.open_tokens(token_file).eos_id
     except tokbin.TokenFileError as exc:
         raise LmtrainError(f"--document-attention: {exc}") from exc
     if eos_id is None or eos_id < 0:

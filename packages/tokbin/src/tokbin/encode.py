@@ -154,6 +154,8 @@ class _Assembler:
             if part.closed:
                 w.end_document()
             return
+        if not part.closed and not part.n_bytes and not self.pending:
+            return  # a piece that ends right at a document's end opens an empty one: nothing to hold yet
         self.crc = crc32_combine(self.crc, part.crc, part.n_bytes) if self.pending else part.crc
         self.n_bytes = self.n_bytes + part.n_bytes if self.pending else part.n_bytes
         self.pending.append(part)
