@@ -31,7 +31,12 @@ from check_install_docs import install_lines, pyproject, siblings  # noqa: E402 
 # Directories under packages/, in dependency order: a package comes after every sibling it depends on.
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
-TEST_EXTRAS = {"gpumon": ["plot"], "trainloop": ["deepspeed", "plot", "tensorboard"]}
+TEST_EXTRAS = {
+    "gpumon": ["plot"],
+    "lmcore": ["hf"],  # the Hugging Face export tests skip without transformers and peft
+    "trainloop": ["deepspeed", "plot", "tensorboard"],
+    "lmtrain": ["hf"],
+}
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]
 
