@@ -173,6 +173,16 @@ def _file_and_run(tmp, made, mp, stack):
     return _run_copy(tmp, made, mp, stack)
 
 
+def _no_deepspeed(tmp, made, mp, stack):
+    import sys
+
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        mp.delitem(sys.modules, name)
+    mp.setitem(sys.modules, "deepspeed", None)  # as if the deepspeed extra were not installed
+    (tmp / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    return {}
+
+
 def _hostfile_binary(tmp, made, mp, stack):
     (tmp / "hosts").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
     return {}
@@ -214,6 +224,8 @@ ROWS = [
      ["train.bin", "checksum mismatch", "lmtrain prepare"]),
     ("train disk full at a checkpoint", [*T, "--out", "{tmp}/r"], _full_at_checkpoint,
      ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
+    ("train --deepspeed without the extra", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _no_deepspeed,
+     ["needs deepspeed", "[deepspeed]"]),
     ("train disk full at run.json", [*T, "--out", "{tmp}/r"], _full_at_run_json,
      ["{tmp}/r/run.json", "No space left on device"]),
     # eval

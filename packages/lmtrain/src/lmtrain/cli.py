@@ -281,6 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LmtrainError as err:
         print(f"lmtrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except ImportError as err:
+        from lmcore.extras import MissingExtraError as LmcoreMissing
+        from trainloop.extras import MissingExtraError as TrainloopMissing
+
+        if not isinstance(err, (LmcoreMissing, TrainloopMissing)):
+            raise
+        print(f"lmtrain {args.command}: error: {err}", file=sys.stderr)  # names the extra to install
+        return 2
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

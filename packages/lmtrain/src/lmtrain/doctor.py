@@ -147,7 +147,8 @@ def check_versions() -> list[Check]:
         except Exception as exc:  # deepspeed raises more than ImportError when its accelerator is broken
             status = FAIL if required else WARN
             why = "needed for --deepspeed" if module == "deepspeed" else "needed for the fused GPU attention kernel"
-            fix = f"pip install {module} ({why})" if not required else "pip install torch"
+            install = "pip install 'lmtrain[deepspeed]'" if module == "deepspeed" else f"pip install {module}"
+            fix = f"{install} ({why})" if not required else "pip install torch"
             checks.append(Check(status, module, f"not importable: {str(exc).splitlines()[0][:120]}", fix))
     return checks
 
