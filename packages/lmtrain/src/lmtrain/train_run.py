@@ -39,9 +39,7 @@ def overridden_keys(pairs: list[str]) -> set[str]:
     return {key.split(".")[-1] for key, _ in parse_pairs(pairs)}
 
 
-def build_configs(
-    args: argparse.Namespace, meta: dict[str, Any]
-) -> tuple[Any, Any, DataConfig, str | None, set[str]]:
+def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, Any, DataConfig, str | None, set[str]]:
     """(ModelConfig, TrainConfig, DataConfig, recipe name, fields set on purpose) from the flags, the data and the
     run's saved configs. The fields set on purpose are those of `--set` and those the `--deepspeed` JSON sets."""
     from lmcore import ModelConfig
