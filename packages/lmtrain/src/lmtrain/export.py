@@ -214,7 +214,9 @@ def export_run(
     try:
         tmp.mkdir(parents=True)
         if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
-            context = max_seq_len or 4 * model.config.context_length
+            from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
+
+            context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
             _write_tokenizer(sp, Path(run_dir) / TOKENIZER_FILE, tmp, None if fmt == "hf-custom" else context)
         _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
         _follow_umask(tmp)
