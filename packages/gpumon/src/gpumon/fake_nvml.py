@@ -8,23 +8,33 @@ simulated metric refreshes on its own period (the value changes once per period,
 GPU can lack a metric (NotSupported) or disappear at a given time (GPU_IS_LOST from then on), and a simulated
 driver can predate some field ids or the field-values entry point itself.
 
+`simulated_gpus()` puts a FakeNVML in place of `pynvml` for the length of a `with` block.
+
 Example:
-    >>> fake = FakeNVML()            # two GPUs
-    >>> monkeypatch.setitem(sys.modules, "pynvml", fake)
-    >>> gpumon.devices()[1]["name"]
-    'Fake GPU 1'
+    >>> import gpumon
+    >>> with simulated_gpus(two_gpus(lost_at=0.0)):  # GPU 1 is lost from the start
+    ...     gpumon.devices()
+    Traceback (most recent call last):
+    gpumon.nvml_devices.NVMLUnavailable: NVML failed while listing GPUs: GPU is lost
+    >>> with simulated_gpus() as fake:  # two GPUs
+    ...     [gpu["name"] for gpu in gpumon.devices()], fake.init_count
+    (['Fake GPU 0', 'Fake GPU 1'], 0)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
+import os
+import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 # The binding's constants (same values as nvidia-ml-py's pynvml).
 CONSTANTS = {
@@ -333,3 +343,22 @@ class FakeNVML(types.ModuleType):
         gpu = self._gpu(handle, "processes")
         n = 1 + self._bucket(gpu, "processes") % 2
         return [SimpleNamespace(pid=1000 + i, usedGpuMemory=(i + 1) * 2**28) for i in range(n)]
+
+
+@contextlib.contextmanager
+def simulated_gpus(gpus: list[FakeGPU] | None = None) -> Iterator[FakeNVML]:
+    """Within the block, `import pynvml` gives a FakeNVML of `gpus` (default: `two_gpus()`), all of them visible.
+
+    CUDA_VISIBLE_DEVICES is set to every simulated GPU, so that the block sees the same GPUs whatever the host's
+    setting; the previous module and environment come back on exit.
+
+    Example:
+        >>> import gpumon
+        >>> with simulated_gpus():
+        ...     [gpu["uuid"][:12] for gpu in gpumon.devices()]
+        ['GPU-00000000', 'GPU-99999999']
+    """
+    fake = FakeNVML(gpus)
+    visible = ",".join(str(i) for i in range(len(fake.gpus)))
+    with mock.patch.dict(sys.modules, pynvml=fake), mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=visible):
+        yield fake

@@ -37,11 +37,24 @@ class Monitor:
 
     Once started, a Monitor never raises into the program: errors are counted and shown by `summary()`.
 
-    Example:
-        >>> with gpumon.Monitor(rate_hz=100, out="run/gpu.csv") as mon:
+    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
+        >>> import tempfile, time
+        >>> import gpumon
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> run = tempfile.TemporaryDirectory()
+        >>> with simulated_gpus(), gpumon.Monitor(rate_hz=100, out=f"{run.name}/gpu.csv") as mon:
         ...     for step in range(3):
+        ...         time.sleep(0.02)  # a training step
         ...         mon.mark("step", step)
-        >>> print(mon.summary())
+        >>> [d.get("name") for d in mon.devices]  # the GPUs, then the host
+        ['Fake GPU 0', 'Fake GPU 1', None]
+        >>> print(mon.summary())  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        gpumon: ... samples, achieved ... Hz (target 100), p99 interval error ... ms, ... missed ticks
+        sampler cost: ...
+        metric unit peak mean p50 p95 p99 last fresh errors
+        gpu0.memory_used_bytes GiB ...
+        marks: 3
+        >>> run.cleanup()
     """
 
     def __init__(

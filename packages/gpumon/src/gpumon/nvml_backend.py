@@ -41,11 +41,13 @@ UTILIZATION_FALLBACK_S = 1.0 / 6.0  # NVML docs: utilisation refreshes every 1/6
 class NVMLBackend:
     """Pollers for every visible GPU. Raises NVMLUnavailable when NVML cannot start.
 
-    Example:
-        >>> backend = NVMLBackend(periods={"pcie": 0.5})
-        >>> [p.name for p in backend.pollers][:3]
-        ['gpu0.memory', 'gpu0.power', 'gpu0.temperature']
-        >>> backend.close()
+    Example (two simulated GPUs from `gpumon.fake_nvml`; on a GPU host leave out `simulated_gpus()`):
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> with simulated_gpus():
+        ...     backend = NVMLBackend(periods={"pcie": 0.5})
+        ...     [(p.name, p.period_s) for p in backend.pollers][:3], len(backend.pollers)
+        ...     backend.close()
+        ([('gpu0.memory', 0.0), ('gpu0.power', 0.0), ('gpu0.temperature', 0.1)], 16)
     """
 
     name = "nvml"

@@ -68,8 +68,15 @@ def visible_devices(nvml: ModuleType) -> list[VisibleDevice]:
     by PCI bus: set CUDA_DEVICE_ORDER=PCI_BUS_ID for the two to agree); `GPU-...`/`MIG-...` entries are UUIDs or
     unique UUID prefixes, as CUDA accepts them.
 
-    Example:
-        >>> nvml = load_nvml(); [d.uuid for d in visible_devices(nvml)]; nvml.nvmlShutdown()
+    Example (two simulated GPUs from `gpumon.fake_nvml`; CUDA_VISIBLE_DEVICES lists them in reverse):
+        >>> import os
+        >>> from unittest import mock
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> with simulated_gpus(), mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES="1,GPU-0000"):
+        ...     nvml = load_nvml()
+        ...     [(d.index, d.nvml_index, d.uuid[:12]) for d in visible_devices(nvml)]
+        ...     nvml.nvmlShutdown()
+        [(0, 1, 'GPU-99999999'), (1, 0, 'GPU-00000000')]
     """
     count = nvml.nvmlDeviceGetCount()
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
@@ -119,12 +126,23 @@ def devices() -> list[dict[str, Any]]:
     Each dict has index (CUDA ordinal), nvml_index, uuid, name, memory_total (bytes), compute_capability
     (e.g. "9.0") and power_limit_w (None where NVML does not report them).
 
-    Example:
-        >>> try:
-        ...     for gpu in gpumon.devices():
-        ...         print(gpu["index"], gpu["name"], gpu["memory_total"] / 2**30, "GiB")
-        ... except gpumon.NVMLUnavailable as exc:
-        ...     print("no GPU:", exc)
+    Example (the two simulated GPUs of `gpumon.fake_nvml`, then a simulated host without a driver):
+        >>> import gpumon
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> def show_gpus():
+        ...     try:
+        ...         for gpu in gpumon.devices():
+        ...             print(gpu["index"], gpu["name"], gpu["memory_total"] / 2**30, "GiB", gpu["compute_capability"])
+        ...     except gpumon.NVMLUnavailable as exc:
+        ...         print("no GPU:", exc)
+        >>> with simulated_gpus():
+        ...     show_gpus()
+        0 Fake GPU 0 80.0 GiB 9.0
+        1 Fake GPU 1 80.0 GiB 9.0
+        >>> with simulated_gpus() as fake:
+        ...     fake.driver = False
+        ...     show_gpus()
+        no GPU: NVML could not be initialised (NVML Shared Library Not Found): no usable NVIDIA driver here
     """
     nvml = load_nvml()
     try:

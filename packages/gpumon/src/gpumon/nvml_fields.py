@@ -78,10 +78,16 @@ def decode_field(nvml: ModuleType, fv: Any) -> Any:
 class FieldReader:
     """Reads `columns` of the device `handle`: field values in one call, stand-ins by their own calls.
 
-    Example:
-        >>> reader = FieldReader(nvml, handle, power_columns(nvml, "gpu0", "9.0"))
-        >>> reader.sources["gpu0.energy_mj"], reader.read()
-        ('field 191', [250000, 250000, 0])
+    Example (a simulated GPU from `gpumon.fake_nvml` whose driver predates field 191, on a clock stopped at 0):
+        >>> from gpumon.fake_nvml import FakeGPU, FakeNVML
+        >>> nvml = FakeNVML([FakeGPU("Fake GPU 0", "GPU-0", unknown_fields={191})], clock=lambda: 0.0)
+        >>> nvml.nvmlInit()
+        >>> reader = FieldReader(nvml, nvml.nvmlDeviceGetHandleByIndex(0), power_columns(nvml, "gpu0", "9.0"))
+        >>> reader.sources
+        {'gpu0.power_instant_mw': 'field 186', 'gpu0.power_average_mw': 'field 185', 'gpu0.energy_mj': 'field 83'}
+        >>> reader.read()  # mW, mW, mJ
+        [250000, 250000, 0]
+        >>> nvml.nvmlShutdown()
     """
 
     def __init__(self, nvml: ModuleType, handle: Any, columns: Sequence[FieldColumn]) -> None:

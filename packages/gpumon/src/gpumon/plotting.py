@@ -54,8 +54,17 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
 
     Raises :class:`MissingExtraError` without matplotlib, :class:`~gpumon.recording.RecordingError` for a bad file.
 
-    Example:
-        >>> plot_recording("run/gpu.csv", "run/gpu.png")
+    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
+        >>> import tempfile, time
+        >>> from gpumon import Monitor
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> run = tempfile.TemporaryDirectory()
+        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
+        ...     time.sleep(0.05)  # a training step
+        >>> png = plot_recording(f"{run.name}/gpu.csv", f"{run.name}/gpu.png")
+        >>> png.name, png.read_bytes()[1:4]  # a PNG file's signature
+        ('gpu.png', b'PNG')
+        >>> run.cleanup()
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -78,6 +78,7 @@ class Reader:
     """Reads `pollers` at `rate_hz` and queues a TickReads per tick, in a thread (`start`) or tick by tick (`tick`).
 
     Example:
+        >>> from gpumon.host_backend import HostBackend
         >>> reader = Reader(HostBackend().pollers, rate_hz=100, batch_ticks=25)
         >>> reader.tick(0.0), reader.tick(0.01)  # True once 25 ticks are queued, or when a read failed
         (False, False)

@@ -65,9 +65,18 @@ def recording_path(directory: str | os.PathLike[str], name: str = "gpumon", *, h
     (O_CREAT | O_EXCL, which NFS v3 and later honour), so two processes asking at once never get the same path;
     `Monitor` writes into such an empty file without complaint. `host` defaults to `host_name()`.
 
-    Example:
-        >>> out = gpumon.recording_path("/shared/run7")      # /shared/run7/gpumon.node03.csv
-        >>> with gpumon.Monitor(rate_hz=100, out=out): ...
+    Example (`tempfile` stands in for a directory the nodes share):
+        >>> import os, tempfile
+        >>> shared = tempfile.TemporaryDirectory()
+        >>> recording_path(shared.name, host="node03").name
+        'gpumon.node03.csv'
+        >>> recording_path(shared.name, host="node03").name  # the same host restarted: the first file is kept
+        'gpumon.node03.1.csv'
+        >>> sorted(os.listdir(shared.name))
+        ['gpumon.node03.1.csv', 'gpumon.node03.csv']
+        >>> shared.cleanup()
+
+    `gpumon.Monitor(rate_hz=100, out=recording_path("/shared/run7"))` then records into the new file.
     """
     host = host_name() if host is None else host
     for label, text in (("name", name), ("host", host)):
@@ -181,10 +190,20 @@ class Recording:
     Raises RecordingError, naming the file and what is wrong, for anything that is not a readable recording.
     Bytes that are not UTF-8 and lines that do not parse (a torn last line, a corrupted stretch) are skipped.
 
-    Example:
-        >>> rec = Recording("run/gpu.csv")
+    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
+        >>> import tempfile, time
+        >>> from gpumon import Monitor
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> run = tempfile.TemporaryDirectory()
+        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
+        ...     mon.mark("step", 0)
+        ...     time.sleep(0.05)  # a training step
+        >>> rec = Recording(f"{run.name}/gpu.csv")
         >>> rec.columns[:2], rec.units["gpu0.memory_used_bytes"]
-        >>> for t, kind, label, value, cells in rec.rows(): ...
+        (['gpu0.memory_used_bytes', 'gpu0.power_instant_mw'], 'B')
+        >>> [(label, value) for t, kind, label, value, cells in rec.rows() if kind == "mark"]
+        [('step', '0')]
+        >>> run.cleanup()
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:

@@ -15,8 +15,24 @@ DISPLAY = {"B": ("GiB", 2**30), "mW": ("W", 1000.0), "mJ": ("J", 1000.0), "KB/s"
 def summarize_recording(path: str | os.PathLike[str]) -> Summary:
     """Summarise a recording in one streaming pass (bounded memory whatever the file size).
 
-    Example:
-        >>> print(summarize_recording("run/gpu.csv"))
+    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
+        >>> import tempfile, time
+        >>> from gpumon import Monitor
+        >>> from gpumon.fake_nvml import simulated_gpus
+        >>> run = tempfile.TemporaryDirectory()
+        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
+        ...     mon.mark("step", 0)
+        ...     time.sleep(0.05)  # a training step
+        >>> s = summarize_recording(f"{run.name}/gpu.csv")
+        >>> s.samples == mon.summary().samples, s.marks
+        (True, 1)
+        >>> print(s)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+        gpumon: ... samples, achieved ... Hz (target 100), p99 interval error ... ms, ... missed ticks
+        sampler cost: ...
+        metric unit peak mean p50 p95 p99 last fresh errors
+        gpu0.memory_used_bytes GiB ...
+        marks: 1
+        >>> run.cleanup()
     """
     rec = Recording(path)
     units = {c: rec.units.get(c, "") for c in rec.columns}  # column order, as the live summary shows them

@@ -37,10 +37,21 @@ class Sampler:
     `if_exists` says what to do when `out` is already a recording (see RecordingWriter): "error" (the default),
     "overwrite" or "append".
 
-    Example:
-        >>> sampler = Sampler(HostBackend().pollers, rate_hz=100, out="host.csv")
-        >>> sampler.start(); time.sleep(1.0); sampler.stop()
-        >>> print(sampler.summary())
+    Example (the host backend's pollers, which need no GPU; `Monitor` assembles the same from its backends):
+        >>> import tempfile, time
+        >>> from gpumon.host_backend import HostBackend
+        >>> from gpumon.recording import Recording
+        >>> run = tempfile.TemporaryDirectory()
+        >>> sampler = Sampler(HostBackend().pollers, rate_hz=100, out=f"{run.name}/host.csv")
+        >>> sampler.start(); time.sleep(0.2); sampler.stop()
+        >>> sampler.columns
+        ['host.cpu_pct', 'host.tree_cpu_pct', 'host.tree_rss_bytes', 'host.tree_processes']
+        >>> print(sampler.summary())  # doctest: +ELLIPSIS
+        gpumon: ... samples, achieved ... Hz (target 100), ...
+        >>> rec = Recording(f"{run.name}/host.csv")
+        >>> rec.columns == sampler.columns, rec.trailer["ticks"] == sampler.summary().samples
+        (True, True)
+        >>> run.cleanup()
     """
 
     def __init__(

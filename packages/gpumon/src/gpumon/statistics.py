@@ -193,9 +193,22 @@ class MetricStats:
 class Summary:
     """What a run looked like. `str(summary)` is a table; `to_dict()` is JSON-able (native units, see `unit`).
 
-    Example:
-        >>> s = mon.summary()
-        >>> s.metrics["gpu0.memory_used_bytes"]["peak"] / 2**30, s.energy_j.get("gpu0"), s.sampler_cpu_percent
+    Example (a sampler fed three ticks by hand; `Monitor.summary()` gives the same object):
+        >>> from gpumon.pollers import Poller
+        >>> from gpumon.sampler import Sampler
+        >>> readings = iter([[2**30], [3 * 2**30], [2 * 2**30]])  # memory used at three ticks, in bytes
+        >>> memory = Poller("gpu0.memory", "gpu0", ["gpu0.memory_used_bytes"], ["B"], 0.0, lambda: next(readings))
+        >>> sampler = Sampler([memory], rate_hz=100)
+        >>> for t in (0.0, 0.01, 0.02):
+        ...     sampler.sample_once(t)
+        >>> s = sampler.summary()
+        >>> s.samples, s.achieved_rate_hz, s.metrics["gpu0.memory_used_bytes"]["peak"] / 2**30
+        (3, 100.0, 3.0)
+        >>> print(s)  # doctest: +ELLIPSIS
+        gpumon: 0.02 s, 3 samples, achieved 100.0 Hz (target 100), p99 interval error 0.000 ms, 0 missed ticks
+        sampler cost: ...
+        metric                  unit  peak  mean  p50  p95   p99  last  fresh  errors
+        gpu0.memory_used_bytes  GiB      3     2    2  2.9  2.98     2   100%       0
     """
 
     rate_hz: float
