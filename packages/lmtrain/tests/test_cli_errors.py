@@ -8,6 +8,7 @@ disk-full rows make one write raise the OSError a full disk raises (ENOSPC), in 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -168,6 +169,20 @@ def _nan_weights(tmp, made, mp, stack):
     return {}
 
 
+def _no_triton_interpreter(tmp, made, mp, stack):
+    mp.setenv("TRITON_INTERPRET", "0")  # the CPU cannot run the Triton kernels outside the interpreter
+    return {}
+
+
+def _triton_checkpoint(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    for config in (tmp / "run" / "checkpoints").glob("step_*/config.json"):
+        _edit_json(config, lambda c: c.update(attention_backend="triton"))
+        entry = {"sha256": hashlib.sha256(config.read_bytes()).hexdigest(), "bytes": config.stat().st_size}
+        _edit_json(config.with_name("manifest.json"), lambda m, e=entry: m["files"].update({"config.json": e}))
+    return _no_triton_interpreter(tmp, made, mp, stack)
+
+
 def _file_and_run(tmp, made, mp, stack):
     _a_file(tmp, made, mp, stack)
     return _run_copy(tmp, made, mp, stack)
@@ -208,6 +223,8 @@ ROWS = [
     # train
     ("train --out a file", [*T, "--out", "{tmp}/file"], _a_file, ["--out", "/file", "is a file"]),
     ("train --out in use", [*T, "--out", "{tmp}/busy"], _locked, ["in use by", "{pid}", "{host}", "lmtrain train"]),
+    ("train triton on cpu", [*T, "--out", "{tmp}/r", "--set", "attention_backend=triton"], _no_triton_interpreter,
+     ["attention_backend='triton'", "cpu", "attention_backend=auto"]),
     ("train --max-steps 0", [*T, "--out", "{tmp}/r", "--max-steps", "0"], None, ["--max-steps 0", ">= 1"]),
     ("train --time-budget 0", [*T, "--out", "{tmp}/r", "--time-budget", "0"], None, ["time_budget", "> 0"]),
     ("train --time-budget nan", [*T, "--out", "{tmp}/r", "--time-budget", "nan"], None, ["time_budget", "finite"]),
@@ -229,6 +246,7 @@ ROWS = [
     ("train disk full at run.json", [*T, "--out", "{tmp}/r"], _full_at_run_json,
      ["{tmp}/r/run.json", "No space left on device"]),
     # eval
+    ("eval triton on cpu", ["eval", *R, "--text", "{corpus}"], _triton_checkpoint, ["attention_backend='triton'"]),
     ("eval --context 0", ["eval", *R, "--text", "{corpus}", "--context", "0"], _run_copy, ["context", "0"]),
     ("eval --stride 0", ["eval", *R, "--text", "{corpus}", "--stride", "0"], _run_copy, ["stride", "0"]),
     ("eval --run missing", ["eval", "--run", "{tmp}/none", "--text", "{corpus}"], None, ["{tmp}/none", "run.json"]),

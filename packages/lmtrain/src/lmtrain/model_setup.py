@@ -67,3 +67,18 @@ def estimate_run_memory(preset: str, n_gpus: int = 1) -> tuple[int, int]:
         offload_optimizer=True,
     )
     return estimate.n_params, estimate.total
+
+
+def check_attention_backend(model_cfg: Any, device: Any) -> None:
+    """Refuse, in one line, a config whose `attention_backend='triton'` cannot run on `device` (the Triton kernels
+    need a CUDA GPU, or TRITON_INTERPRET=1 on the CPU for tests)."""
+    if model_cfg.attention_backend != "triton":
+        return
+    from alibi_kernels import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        raise LmtrainError(
+            f"attention_backend='triton' cannot run on {device}: {reason}; here: --set attention_backend=auto "
+            "(Triton on a CUDA GPU, PyTorch elsewhere)"
+        )

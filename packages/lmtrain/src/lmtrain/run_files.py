@@ -162,6 +162,11 @@ def load_trained_model(
                 f"{path}: weights do not match the run's model config (missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]})"
             )
+    import torch
+
+    from lmtrain.model_setup import check_attention_backend
+
+    check_attention_backend(model.config, torch.device(map_location))
     model.to(device=map_location, dtype=dtype).eval()
     return model, run, path
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from lmtrain.data_check import check_token_data
 from lmtrain.errors import LmtrainError, OverrideError
+from lmtrain.model_setup import check_attention_backend
 from lmtrain.overrides import apply_overrides, parse_pairs
 from lmtrain.recipes import DEFAULT_PRESET, DataConfig, data_recipe, train_recipe
 from lmtrain.run_files import RUN_FILE, TOKENIZER_FILE, read_meta, read_run, write_json_atomic
@@ -272,6 +273,7 @@ def run_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed = args.resume and (run_dir / RUN_FILE).is_file()
+    check_attention_backend(model_cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(train_cfg.seed)
     model = GPT(model_cfg)
     step_s = None  # seconds per step, when the thread probe measured it
