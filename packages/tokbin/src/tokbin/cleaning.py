@@ -18,7 +18,9 @@ def clean_text(text: str) -> str:
 
     Meant for prose (web or Wikipedia text), not code: ``x[0]`` reads as a citation mark and is removed.
 
-    Example: ``clean_text("<b>Paris</b>[1]  is\\n\\n\\n\\nbig")`` gives ``"Paris is\\n\\nbig"``.
+    Example:
+        >>> clean_text("<b>Paris</b>[1]  is\\n\\n\\n\\nbig")
+        'Paris is\\n\\nbig'
     """
     text = _HTML_TAG.sub("", text)
     text = _CITATION.sub("", text)

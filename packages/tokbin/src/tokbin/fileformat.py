@@ -30,7 +30,9 @@ UINT32_MAX_VOCAB = 1 << 32
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds every id below ``vocab_size`` (uint16 or uint32).
 
-    Example: ``dtype_for_vocab(32000) == np.uint16``.
+    Example:
+        >>> dtype_for_vocab(32000), dtype_for_vocab(65536), dtype_for_vocab(65537)
+        (dtype('uint16'), dtype('uint16'), dtype('uint32'))
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")

@@ -57,11 +57,13 @@ class ClosableBackgroundGenerator(BackgroundGenerator):
     so at most ``max(max_prefetch, group)`` items wait in it. With ``grouped=True`` the generator yields those
     lists itself (each at most ``group`` long), so it decides when a group is handed over.
 
-    Example::
-
-        bg = ClosableBackgroundGenerator(iter(range(10)), max_prefetch=4, group=2)
-        assert [next(bg) for _ in range(3)] == [0, 1, 2]
-        bg.close()
+    Example:
+        >>> bg = ClosableBackgroundGenerator(iter(range(10)), max_prefetch=4, group=2)
+        >>> [next(bg) for _ in range(3)]
+        [0, 1, 2]
+        >>> bg.close()  # the thread has ended: nothing is left blocked on the queue
+        >>> bg.is_alive()
+        False
     """
 
     def __init__(self, generator: Iterator, max_prefetch: int = 3, group: int = 1, *, grouped: bool = False) -> None:
@@ -125,11 +127,17 @@ class Loader:
     batches are pinned in the producer and copied with ``non_blocking=True``. Use ``close()`` or a ``with`` block
     to stop the thread.
 
-    Example::
-
-        tf = TokenFile("train.bin")
-        with Loader(tf, RandomWindows(tf.n_tokens, 1024, 16, seed=0)) as loader:
-            x, y = next(loader)  # (16, 1024) int64 each; y[:, :-1] == x[:, 1:]
+    Example:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> from tokbin import RandomWindows, write_tokens
+        >>> out = tempfile.TemporaryDirectory()
+        >>> tf = write_tokens(f"{out.name}/train.bin", np.arange(10_000) % 1000, vocab_size=1000)
+        >>> with Loader(tf, RandomWindows(tf.n_tokens, 64, 16, seed=0)) as loader:
+        ...     x, y = next(loader)
+        >>> x.shape, x.dtype, bool((y[:, :-1] == x[:, 1:]).all())
+        (torch.Size([16, 64]), torch.int64, True)
+        >>> out.cleanup()
     """
 
     def __init__(

@@ -77,10 +77,14 @@ class _Sampler:
 class RandomWindows(_Sampler):
     """Windows at uniformly random starts, with replacement; rank r of W takes rows r, r+W, ... of the global batch.
 
-    Example::
-
-        s = RandomWindows(tf.n_tokens, seq_len=1024, batch_size=16, seed=0)
-        starts, T = s.batch(0)  # starts.shape == (16,), T == 1024
+    Example:
+        >>> s = RandomWindows(100_000, seq_len=1024, batch_size=16, seed=0)
+        >>> starts, seq_len = s.batch(0)
+        >>> starts.shape, seq_len, bool((starts + seq_len + 1 <= 100_000).all())  # each window and its next token fit
+        ((16,), 1024, True)
+        >>> rank1 = RandomWindows(100_000, seq_len=1024, batch_size=8, seed=0, rank=1, world_size=2)
+        >>> bool((rank1.batch(0)[0] == starts[1::2]).all())  # rank 1 of 2: every other row of the same global batch
+        True
     """
 
     def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
@@ -117,10 +121,16 @@ class EpochWindows(_Sampler):
     r takes positions r, r+W, ...: ranks are disjoint when the window count divides by W. The last batch of an
     epoch is smaller when the rank's share does not divide by ``batch_size``; ``epoch_of(step)`` tells the epoch.
 
-    Example::
-
-        s = EpochWindows(tf.n_tokens, seq_len=1024, batch_size=16, seed=0)
-        s.batches_per_epoch  # ceil(n_windows / 16)
+    Example:
+        >>> import numpy as np
+        >>> s = EpochWindows(100_000, seq_len=1024, batch_size=16, seed=0)
+        >>> s.n_windows, s.batches_per_epoch  # 99_999 // 1024 windows, ceil(97 / 16) batches
+        (97, 7)
+        >>> epoch = [s.batch(step)[0] for step in range(s.batches_per_epoch)]
+        >>> [len(starts) for starts in epoch]
+        [16, 16, 16, 16, 16, 16, 1]
+        >>> sorted(np.concatenate(epoch).tolist()) == [i * 1024 for i in range(97)]  # every window once per epoch
+        True
     """
 
     def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):

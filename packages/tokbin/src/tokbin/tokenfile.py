@@ -85,10 +85,19 @@ class TokenFile:
     ``n_docs + 1`` positions: document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]``).
     Opening checks the magic, version, header checksum and the exact file size; ``verify()`` checks the data.
 
-    Example::
-
-        tf = TokenFile("train.bin")
-        x, y = tf.gather(np.array([0, 4096]), 1024)  # two (1024,) int64 rows, y shifted by one
+    Example:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> from tokbin import write_tokens
+        >>> out = tempfile.TemporaryDirectory()
+        >>> _ = write_tokens(f"{out.name}/train.bin", np.arange(100), vocab_size=1000)
+        >>> tf = TokenFile(f"{out.name}/train.bin")
+        >>> tf.n_tokens, tf.verify()["max_id"]  # verify() reads the whole file against its checksum
+        (100, 99)
+        >>> x, y = tf.gather(np.array([0, 40]), 4)  # two windows of 4 tokens as int64 rows; y is x shifted by one
+        >>> x.tolist(), y.tolist()
+        ([[0, 1, 2, 3], [40, 41, 42, 43]], [[1, 2, 3, 4], [41, 42, 43, 44]])
+        >>> out.cleanup()
     """
 
     def __init__(self, path: str | os.PathLike) -> None:

@@ -255,10 +255,16 @@ def write_tokens(
     streaming fashion. The dtype is uint16 when ``vocab_size <= 65536`` and uint32 otherwise; an id outside
     ``[0, vocab_size)`` raises TokenFileError and leaves no file. No EOS is added here (``encode_files`` adds it).
 
-    Example::
-
-        tf = write_tokens("ids.bin", [np.array([5, 6, 2]), np.array([7, 2])], vocab_size=1000, eos_id=2)
-        assert tf.n_tokens == 5 and tf.n_docs == 2
+    Example:
+        >>> import tempfile
+        >>> import numpy as np
+        >>> out = tempfile.TemporaryDirectory()
+        >>> tf = write_tokens(f"{out.name}/ids.bin", [np.array([5, 6, 2]), np.array([7, 2])], vocab_size=1000, eos_id=2)
+        >>> tf.n_tokens, tf.n_docs, tf.dtype
+        (5, 2, dtype('uint16'))
+        >>> tf.tokens.tolist(), tf.doc_offsets.tolist()
+        ([5, 6, 2, 7, 2], [0, 3, 5])
+        >>> out.cleanup()
     """
     with TokenWriter(path, vocab_size=vocab_size, eos_id=eos_id, tokenizer_sha256=tokenizer_sha256) as w:
         for doc in _as_docs(docs):
