@@ -104,10 +104,16 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[int]]:
     A bad line is most often the last one, cut short when the process died mid-write (power loss, a full disk);
     blank lines are skipped silently.
 
-    Example:
-        >>> records, bad = read_metrics("runs/demo/metrics.jsonl")  # doctest: +SKIP
-        >>> bad  # the last line was half-written
-        [412]
+    Example (a log whose last line was half-written):
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> run = tempfile.TemporaryDirectory()
+        >>> log = Path(run.name) / "metrics.jsonl"
+        >>> _ = log.write_text('{"step": 10, "loss": 4.1}\\n\\n{"step": 20, "loss": 3.8}\\n{"step": 30, "lo')
+        >>> records, bad = read_metrics(log)
+        >>> [r["step"] for r in records], bad
+        ([10, 20], [4])
+        >>> run.cleanup()
     """
     records: list[dict[str, Any]] = []
     bad: list[int] = []
