@@ -151,3 +151,10 @@ def test_installed_deepspeed_lies_in_the_declared_range():
     assert req.marker is not None and req.marker.evaluate({"extra": "deepspeed"})
     assert req.specifier.contains(deepspeed.__version__), f"deepspeed {deepspeed.__version__} is outside {req}"
     assert importlib.metadata.version("deepspeed") == deepspeed.__version__
+
+
+def test_plot_leaves_out_a_line_cut_short_by_a_crash(tmp_path):
+    metrics = _metrics(tmp_path / "metrics.jsonl", [1, 2, 3])
+    with metrics.open("a") as f:
+        f.write('{"step": 4, "lo')  # the process died mid-write
+    assert plot_metrics(metrics, tmp_path / "m.png").stat().st_size > 0

@@ -6,7 +6,6 @@ the backend or the open figures of the program that calls it. matplotlib is the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,12 +29,15 @@ def new_figure(figsize: tuple[float, float], purpose: str) -> Figure:
 
 
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Three panels: train (and eval) loss, learning rate, total and per-group gradient norms.
+    """Three panels: train (and eval) loss, learning rate, total and per-group gradient norms. Lines that are not a
+    JSON object (a last line cut short by a crash) are left out (:func:`~trainloop.metrics_logging.read_metrics`).
 
     Example:
         >>> plot_metrics("runs/demo/metrics.jsonl", "runs/demo/metrics.png")  # doctest: +SKIP
     """
-    records = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    from trainloop.metrics_logging import read_metrics
+
+    records, _ = read_metrics(metrics_jsonl)
     train = [r for r in records if "loss" in r and r.get("loss") is not None]
     evals = [r for r in records if "eval_loss" in r]
     if not train:
