@@ -89,6 +89,12 @@ def _pytest(session: nox.Session, *paths: str) -> None:
     session.run("pytest", *paths, *session.posargs, env=_test_env(session))
 
 
+def _doctests(session: nox.Session, dist: str) -> None:
+    """The docstring examples of the package as installed. --pyargs collects the modules where `import` finds them;
+    collecting src/ by path would import a second copy of a package installed non-editable."""
+    _pytest(session, "--doctest-modules", "--pyargs", dist.replace("-", "_"))
+
+
 @nox.session(python="3.11", tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
@@ -109,23 +115,26 @@ def version_ranges(session: nox.Session) -> None:
 @nox.session(python="3.11", tags=["ci"])
 @nox.parametrize("dist", PACKAGES)
 def package(session: nox.Session, dist: str) -> None:
-    """One package installed alone by its README's install line (plus the extras its tests use); its own tests."""
+    """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
+    its doctests."""
     # A reused venv already holds this version: reinstall so that it gets today's code.
     session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
     _documented_install(session, PACKAGES_DIR / dist / "README.md")
     session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS)
     session.chdir(PACKAGES_DIR / dist)
     _pytest(session, "tests")
+    _doctests(session, dist)
 
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Every package installed editable in one venv; all unit tests (the fast inner loop)."""
+    """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
     editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
     for dist in PACKAGES:
         session.chdir(PACKAGES_DIR / dist)
         _pytest(session, "tests")
+        _doctests(session, dist)
 
 
 @nox.session(python="3.11", tags=["ci"], reuse_venv=False)
