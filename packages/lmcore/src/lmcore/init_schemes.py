@@ -119,9 +119,13 @@ def init_report(model: nn.Module, batch: Tensor | tuple[Tensor, Tensor]) -> Init
     Dropout is off while measuring; gradients are cleared afterwards, so it is safe to call before training.
 
     Example:
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
         >>> report = init_report(GPT(ModelConfig.from_preset("tiny")), torch.randint(0, 97, (4, 32)))
-        >>> [r["name"] for r in report.rows][:2]
-        ['embed_tokens', 'layers.0']
+        >>> [r["name"] for r in report.rows]
+        ['embed_tokens', 'layers.0', 'layers.1', 'norm']
+        >>> all(r["activation_rms"] > 0 and r["grad_norm"] > 0 for r in report.rows)
+        True
     """
     if isinstance(batch, Tensor):
         targets = torch.full_like(batch, -100)

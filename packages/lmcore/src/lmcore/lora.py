@@ -85,6 +85,7 @@ def apply_lora(
     adapters' A and B require grad. Returns `model`.
 
     Example:
+        >>> from lmcore import GPT, ModelConfig
         >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), r=64, alpha=16, dropout=0.1)
         >>> all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
         True
@@ -117,7 +118,15 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain nn.Linear back; all parameters require grad again.
 
     Example:
-        >>> merged = merge_lora(model)  # doctest: +SKIP
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), r=4).eval()
+        >>> _ = torch.nn.init.normal_(model.layers[0].self_attn.q_proj.lora_B)  # as if trained
+        >>> ids = torch.randint(0, 97, (1, 8))
+        >>> adapted = model(ids).logits
+        >>> merged = merge_lora(model)
+        >>> torch.allclose(merged(ids).logits, adapted, atol=1e-5), lora_modules(merged)
+        (True, {})
     """
     adapters = lora_modules(model)
     if not adapters:
@@ -137,7 +146,18 @@ def save_lora(model: nn.Module, path: str | Path) -> Path:
     """Write only the adapter weights (A and B) to a safetensors file, with r, alpha, dropout, targets as metadata.
 
     Example:
-        >>> save_lora(model, "adapters.safetensors")  # doctest: +SKIP
+        >>> import json, tempfile
+        >>> from safetensors import safe_open
+        >>> from lmcore import GPT, ModelConfig
+        >>> out = tempfile.TemporaryDirectory()
+        >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), targets=["q", "v"], r=4)
+        >>> with safe_open(save_lora(model, f"{out.name}/adapters.safetensors"), framework="pt") as f:
+        ...     keys, settings = sorted(f.keys()), json.loads(f.metadata()["lora_settings"])
+        >>> len(keys), keys[:2]  # 2 layers x 2 targets x (A, B)
+        (8, ['layers.0.self_attn.q_proj.lora_A', 'layers.0.self_attn.q_proj.lora_B'])
+        >>> settings
+        {'targets': ['q_proj', 'v_proj'], 'r': 4, 'alpha': 16.0, 'dropout': 0.0}
+        >>> out.cleanup()
     """
     adapters = lora_modules(model)
     if not adapters:
@@ -158,7 +178,18 @@ def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
     A key or shape that does not match the model raises ValueError naming it.
 
     Example:
-        >>> model = load_lora(GPT.from_pretrained("base"), "adapters.safetensors")  # doctest: +SKIP
+        >>> import tempfile, torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> out = tempfile.TemporaryDirectory()
+        >>> _ = torch.manual_seed(0); tuned = apply_lora(GPT(ModelConfig.from_preset("tiny")), r=4)
+        >>> _ = torch.nn.init.normal_(tuned.layers[0].self_attn.q_proj.lora_B)  # as if trained
+        >>> path = save_lora(tuned, f"{out.name}/adapters.safetensors")
+        >>> _ = torch.manual_seed(0); base = GPT(ModelConfig.from_preset("tiny"))  # the same base weights
+        >>> model = load_lora(base, path)  # applies LoRA with the saved settings, then loads A and B
+        >>> ids = torch.randint(0, 97, (1, 8))
+        >>> model.lora_settings["r"], torch.equal(model.eval()(ids).logits, tuned.eval()(ids).logits)
+        (4, True)
+        >>> out.cleanup()
     """
     path = Path(path)
     with safe_open(str(path), framework="pt") as f:
