@@ -7,7 +7,9 @@ from alibi_kernels import alibi_slopes, alibi_slopes_list
 
 
 def paper_rule(n: int) -> list[float]:
-    """The rule as written in FACTS.md, written independently of the package."""
+    """The ALiBi paper's rule, written independently of the package: for n a power of two the geometric sequence
+    starting at 2^(-8/n) with that ratio; otherwise the sequence of the largest power of two c below n, followed by
+    every other slope of the 2c sequence, first n - c of them."""
 
     def pow2(m):
         start = 2 ** (-(2 ** -(math.log2(m) - 3)))  # the paper's code: start = 2^(-8/m), ratio = start
