@@ -158,7 +158,12 @@ def n_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
     (the convention of the scaling-law papers). Learnable slopes count n_head per layer.
 
     Example:
-        >>> n_params(ModelConfig.from_preset("125m"))  # doctest: +SKIP
+        >>> n_params(ModelConfig.from_preset("125m")), n_params(ModelConfig.from_preset("125m"), non_embedding=True)
+        (109632000, 85056000)
+        >>> from lmcore import GPT
+        >>> tiny = ModelConfig.from_preset("tiny")
+        >>> n_params(tiny), sum(p.numel() for p in GPT(tiny).parameters())  # the closed form, and a model counted
+        (106304, 106304)
     """
     d, ff, v, b = config.d_model, config.d_ff, config.vocab_size, int(config.bias)
     kv = config.n_kv_head * config.head_dim

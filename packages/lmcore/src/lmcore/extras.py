@@ -20,8 +20,13 @@ def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
     ``dist`` names the distribution whose ``hf`` extra the message tells to install (the app passes ``"lmtrain"``).
     An installed library that fails on one of its own imports keeps its original error.
 
-    Example:
-        >>> transformers = import_hf("transformers", "export_hf")  # doctest: +SKIP
+    Example (`None` in `sys.modules` makes an import fail as if the module were not installed):
+        >>> import sys
+        >>> from unittest import mock
+        >>> with mock.patch.dict(sys.modules, peft=None):
+        ...     import_hf("peft", "the PEFT adapter export")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmcore.extras.MissingExtraError: the PEFT adapter export needs peft, ...: pip install 'lmtools-lmcore[hf]'
     """
     top = module.split(".")[0]
     if top not in HF_MODULES:

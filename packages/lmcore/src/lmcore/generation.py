@@ -55,7 +55,14 @@ def generate(
     it fires after the last token (at the failing one when `eos_id` is set, whose check syncs anyway).
 
     Example:
-        >>> out = generate(model, torch.tensor([[1, 2, 3]]), 20, temperature=0.8, top_k=50, seed=0)  # doctest: +SKIP
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = GPT(ModelConfig.from_preset("tiny"))
+        >>> out = generate(model, torch.tensor([[1, 2, 3]]), 20, temperature=0.8, top_k=50, seed=0)
+        >>> out.shape, out[0, :3].tolist()  # the prompt, then 20 new tokens
+        (torch.Size([1, 23]), [1, 2, 3])
+        >>> torch.equal(out, generate(model, torch.tensor([[1, 2, 3]]), 20, temperature=0.8, top_k=50, seed=0))
+        True
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be (B, T) with T >= 1, got shape {tuple(input_ids.shape)}")

@@ -157,8 +157,11 @@ def write_custom_code(directory: str | Path) -> list[str]:
     """Write the configuration, modeling and lmcore source files into `directory`; returns the file names.
 
     Example:
-        >>> write_custom_code("out/custom")  # doctest: +SKIP
-        ['alibi_kernels.py', ..., 'configuration_lmcore.py', 'modeling_lmcore.py']
+        >>> import tempfile
+        >>> out = tempfile.TemporaryDirectory()
+        >>> write_custom_code(out.name)  # doctest: +ELLIPSIS
+        ['alibi_kernels.py', ..., 'configuration_lmcore.py', ..., 'lmcore_model.py', ..., 'modeling_lmcore.py']
+        >>> out.cleanup()
     """
     directory = Path(directory)
     files = {f"{local}.py": _relative_source(module) for module, local in SOURCE_FILES.items()}
@@ -177,7 +180,15 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
     Load it with `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`.
 
     Example:
-        >>> save_custom(GPT(ModelConfig.from_preset("tiny", activation="swiglu")), "out/custom")  # doctest: +SKIP
+        >>> import json, tempfile
+        >>> from lmcore import GPT, ModelConfig
+        >>> out = tempfile.TemporaryDirectory()
+        >>> directory = save_custom(GPT(ModelConfig.from_preset("tiny", activation="swiglu")), f"{out.name}/custom")
+        >>> json.loads((directory / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        'modeling_lmcore.LmcoreForCausalLM'
+        >>> (directory / "model.safetensors").is_file()
+        True
+        >>> out.cleanup()
     """
     from lmcore.lora import lora_modules
 

@@ -70,9 +70,11 @@ def mpt_config(config: ModelConfig, max_seq_len: int | None = None, **token_ids:
     (`bos_token_id`, `eos_token_id`, `pad_token_id`) go into it as given. Raises ValueError when the model does
     not map (see `mpt_mismatches`).
 
-    Example:
-        >>> mpt_config(ModelConfig.from_preset("tiny", bias=False), eos_token_id=2).max_seq_len  # doctest: +SKIP
-        128
+    Example (needs the hf extra):
+        >>> from lmcore import ModelConfig
+        >>> config = mpt_config(ModelConfig.from_preset("tiny", bias=False), eos_token_id=2)
+        >>> config.max_seq_len, config.eos_token_id, config.attn_config.alibi
+        (128, 2, True)
     """
     transformers = import_hf("transformers", "the MPT export")
     bad = mpt_mismatches(config)
@@ -108,8 +110,10 @@ def mpt_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     the fused `Wqkv` share storage with the model.
 
     Example:
-        >>> sorted(mpt_state_dict(GPT(ModelConfig.from_preset("tiny", bias=False))))[:2]  # doctest: +SKIP
-        ['transformer.blocks.0.attn.Wqkv.weight', 'transformer.blocks.0.attn.out_proj.weight']
+        >>> from lmcore import GPT, ModelConfig
+        >>> state = mpt_state_dict(GPT(ModelConfig.from_preset("tiny", bias=False)))
+        >>> sorted(state)[:2], tuple(state["transformer.blocks.0.attn.Wqkv.weight"].shape)  # q, k, v stacked
+        (['transformer.blocks.0.attn.Wqkv.weight', 'transformer.blocks.0.attn.out_proj.weight'], (192, 64))
     """
     state = {"transformer.wte.weight": model.embed_tokens.weight, "transformer.norm_f.weight": model.norm.weight}
     for i, block in enumerate(model.layers):
@@ -130,8 +134,14 @@ def to_mpt(model: GPT, max_seq_len: int | None = None, **token_ids: int | None) 
     in the model's dtype and on its device; `hf.save_pretrained(dir)` writes a directory that
     `AutoModelForCausalLM.from_pretrained(dir)` loads without custom code.
 
-    Example:
-        >>> hf = to_mpt(GPT(ModelConfig.from_preset("tiny", bias=False)), eos_token_id=2)  # doctest: +SKIP
+    Example (needs the hf extra):
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = GPT(ModelConfig.from_preset("tiny", bias=False)).eval()
+        >>> hf = to_mpt(model, eos_token_id=2)
+        >>> ids = torch.randint(0, 97, (1, 40))  # longer than the training context of 32
+        >>> type(hf).__name__, torch.allclose(hf(ids).logits, model(ids).logits, atol=1e-5)
+        ('MptForCausalLM', True)
     """
     transformers = import_hf("transformers", "the MPT export")
     config = mpt_config(model.config, max_seq_len, **token_ids)
@@ -176,8 +186,15 @@ def to_peft(model: GPT, hf: Any, base_name_or_path: str | None = None) -> Any:
     `peft_model.save_pretrained(dir)` writes `adapter_config.json` and `adapter_model.safetensors`, which
     `PeftModel.from_pretrained(base, dir)` loads onto the exported base.
 
-    Example:
-        >>> peft_model = to_peft(lora_model, to_mpt(lora_model))  # doctest: +SKIP
+    Example (needs the hf extra):
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig, apply_lora
+        >>> lora_model = apply_lora(GPT(ModelConfig.from_preset("tiny", bias=False)), r=4).eval()
+        >>> _ = torch.nn.init.normal_(lora_model.layers[0].self_attn.q_proj.lora_B)  # as if trained
+        >>> peft_model = to_peft(lora_model, to_mpt(lora_model))
+        >>> ids = torch.randint(0, 97, (1, 16))
+        >>> torch.allclose(peft_model(ids).logits, lora_model(ids).logits, atol=1e-5)
+        True
     """
     peft = import_hf("peft", "the PEFT adapter export")
     adapters = lora_modules(model)

@@ -89,7 +89,8 @@ def estimate_memory(
 
     Example:
         >>> est = estimate_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", zero_stage=2, world_size=16)
-        >>> round(est.total / 2**30, 1)  # doctest: +SKIP
+        >>> round(est.total / 2**30, 1), round(est.activations / est.total, 2)  # GiB per GPU, the activations' share
+        (10.7, 0.68)
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -29,7 +29,10 @@ def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
     a clear Python error on a GPU.
 
     Example:
-        >>> check_token_ids(torch.tensor([[1, 97]]), 97)  # doctest: +SKIP
+        >>> import torch
+        >>> check_token_ids(torch.tensor([[1, 96]]), 97)  # all below 97: nothing happens
+        >>> check_token_ids(torch.tensor([[1, 97]]), 97)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
         ValueError: input_ids hold ids in [1, 97] but vocab_size=97: ...
     """
     low, high = (int(v) for v in torch.aminmax(input_ids))
@@ -62,8 +65,15 @@ class KVCache:
     Pass the same object to successive `GPT.forward(..., kv_cache=cache)` calls; each call appends.
 
     Example:
-        >>> cache = KVCache(model.config.n_layer)  # doctest: +SKIP
-        >>> model(prompt, kv_cache=cache); model(next_token, kv_cache=cache)  # doctest: +SKIP
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = GPT(ModelConfig.from_preset("tiny")).eval()
+        >>> ids = torch.randint(0, 97, (1, 6))
+        >>> cache = KVCache(model.config.n_layer)
+        >>> _ = model(ids[:, :5], kv_cache=cache)  # the prompt
+        >>> next_logits = model(ids[:, 5:], kv_cache=cache).logits  # one new position over the 5 cached
+        >>> len(cache), torch.allclose(next_logits[:, -1], model(ids).logits[:, -1], atol=1e-5)
+        (6, True)
     """
 
     def __init__(self, n_layer: int) -> None:

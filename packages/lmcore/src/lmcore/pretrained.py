@@ -46,7 +46,17 @@ def save_pretrained(model: GPT, directory: str | Path, state_dict: dict[str, tor
     docstring); merge them first (`merge_lora`) for a plain model.
 
     Example:
-        >>> save_pretrained(GPT(ModelConfig.from_preset("tiny")), "out/tiny")  # doctest: +SKIP
+        >>> import os, tempfile, torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> out = tempfile.TemporaryDirectory()
+        >>> model = GPT(ModelConfig.from_preset("tiny")).eval()
+        >>> directory = save_pretrained(model, f"{out.name}/tiny")
+        >>> sorted(os.listdir(directory))
+        ['config.json', 'model.safetensors']
+        >>> ids = torch.randint(0, 97, (1, 8))
+        >>> torch.equal(GPT.from_pretrained(directory).eval()(ids).logits, model(ids).logits)
+        True
+        >>> out.cleanup()
     """
     expected = _storable_names(model)
     state = dict(model.state_dict() if state_dict is None else state_dict)
