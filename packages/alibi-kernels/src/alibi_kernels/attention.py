@@ -23,8 +23,10 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on `device`, or None if it can.
 
     Example:
-        >>> triton_unavailable_reason(torch.device("cpu")) is None or True
-        True
+        >>> import torch
+        >>> triton_unavailable_reason(torch.device("cuda"))  # None: CUDA tensors can use the kernels
+        >>> triton_unavailable_reason(torch.device("mps"))
+        "Triton kernels need CUDA tensors, got a tensor on mps; use backend='torch'"
     """
     if importlib.util.find_spec("triton") is None:
         return "the `triton` package is not installed (pip install triton; Linux only)"

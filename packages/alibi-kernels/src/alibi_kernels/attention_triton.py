@@ -217,10 +217,16 @@ def alibi_attention_triton(
     Same contract as `alibi_attention(..., backend="triton")`; gradients reach q, k, v and slopes that require
     grad (summed over the batch when one (Hq,) slope row is shared).
 
-    Example:
-        >>> q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)  # doctest: +SKIP
-        >>> alibi_attention_triton(q, q, q).shape  # doctest: +SKIP
-        torch.Size([1, 4, 64, 64])
+    Example (CUDA tensors; CPU tensors run when TRITON_INTERPRET=1 was set before the first import, as in the tests):
+        >>> import torch
+        >>> from alibi_kernels import alibi_attention_reference, triton_unavailable_reason
+        >>> device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        >>> triton_unavailable_reason(device) is None
+        True
+        >>> q, k, v = torch.randn(3, 1, 4, 64, 32, device=device)  # (B, H, T, D) each
+        >>> out = alibi_attention_triton(q, k, v)
+        >>> out.shape, torch.allclose(out.double(), alibi_attention_reference(q, k, v), rtol=1e-5, atol=1e-5)
+        (torch.Size([1, 4, 64, 32]), True)
     """
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
     return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
