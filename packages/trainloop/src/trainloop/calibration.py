@@ -37,10 +37,30 @@ def calibrate(
 
     The reference 1.3B recipe takes the 95th percentile over 100 batches at step 500.
 
-    Example:
-        >>> calibrate(model, cfg, loader, run_dir="runs/cal", patterns=["embed.*", "*.o_proj.*", "norm_f.*"],
-        ...           at_step=500, n_batches=100, percentile=95, out="clip.json")  # doctest: +SKIP
-        {'thresholds': {'embed.*': 2.1, '*.o_proj.*': 0.48, 'norm_f.*': 0.09, '*': 1.02}, ...}
+    Example (a small regression model; the recipe's call on a language model is
+    ``calibrate(model, cfg, loader, run_dir=..., patterns=["embed.*", "*.o_proj.*", "norm_f.*"], out="clip.json")``):
+        >>> import tempfile, torch
+        >>> from torch import nn
+        >>> class Regression(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.hidden, self.out = nn.Linear(4, 8), nn.Linear(8, 1)
+        ...     def forward(self, inputs, targets):
+        ...         return nn.functional.mse_loss(self.out(torch.relu(self.hidden(inputs))), targets)
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(64, 4); y = x.sum(1, keepdim=True)
+        >>> batches = ((x[i : i + 8], y[i : i + 8]) for _ in range(100) for i in range(0, 64, 8))
+        >>> run = tempfile.TemporaryDirectory()
+        >>> result = calibrate(Regression(), TrainConfig(lr=0.01), batches, run_dir=run.name, patterns=["hidden.*"],
+        ...                    at_step=20, n_batches=10, percentile=95, out=f"{run.name}/clip.json")
+        ... # doctest: +ELLIPSIS
+        [trainloop ...] no complete checkpoint under ...: starting from step 0
+        ...
+        >>> sorted(result["thresholds"]), result["at_step"], len(result["norms"]["hidden.*"])  # "*": everything else
+        (['*', 'hidden.*'], 20, 10)
+        >>> TrainConfig(clip_groups=f"{run.name}/clip.json").clip_groups == result["thresholds"]
+        True
+        >>> run.cleanup()
     """
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile={percentile} must be in (0, 100]")

@@ -107,11 +107,25 @@ class CheckpointStore:
     """The checkpoints of one run directory: their names, atomic writes, verification, choice and pruning.
 
     Example:
-        >>> store = CheckpointStore("runs/demo")
+        >>> import tempfile
+        >>> run = tempfile.TemporaryDirectory()
+        >>> store = CheckpointStore(run.name)
         >>> store.step_dir(1000).name
         'step_00001000'
-        >>> store.resolve("best")  # doctest: +SKIP
-        (PosixPath('runs/demo/checkpoints/step_00000800'), [])
+        >>> for step in (800, 1000):
+        ...     tmp = store.begin(step)
+        ...     _ = (tmp / "rank0.pt").write_bytes(b"state")  # what the ranks write
+        ...     _ = store.finish(tmp, step)
+        >>> store.mark_best(800, "eval_loss", 2.31)
+        >>> [(path.name, notes) for path, notes in (store.resolve("best"), store.resolve("latest"))]
+        [('step_00000800', []), ('step_00001000', [])]
+        >>> _ = store.begin(1200)  # a save interrupted before finish()
+        >>> path, notes = store.resolve("latest")
+        >>> path.name
+        'step_00001000'
+        >>> notes
+        ['skipped .tmp-step_00001200: temporary directory of an interrupted save', 'fell back to step_00001000']
+        >>> run.cleanup()
     """
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -291,8 +305,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint under ``run_dir`` (manifest present, sizes match), or None.
 
     Example:
-        >>> latest_checkpoint("runs/demo")  # doctest: +SKIP
-        PosixPath('runs/demo/checkpoints/step_00001000')
+        >>> import tempfile
+        >>> run = tempfile.TemporaryDirectory()
+        >>> latest_checkpoint(run.name) is None  # nothing saved yet
+        True
+        >>> store = CheckpointStore(run.name)
+        >>> for step in (500, 1000):
+        ...     tmp = store.begin(step)
+        ...     _ = (tmp / "rank0.pt").write_bytes(b"state")
+        ...     _ = store.finish(tmp, step)
+        >>> latest_checkpoint(run.name).name
+        'step_00001000'
+        >>> _ = (store.step_dir(1000) / "rank0.pt").write_bytes(b"st")  # a file cut short: its size is wrong
+        >>> latest_checkpoint(run.name).name
+        'step_00000500'
+        >>> run.cleanup()
     """
     return CheckpointStore(run_dir).find_resumable()[0]
 
@@ -336,8 +363,18 @@ def read_weights(module: torch.nn.Module, checkpoint_dir: str | Path, device: st
 def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The consolidated fp32 model of a checkpoint, on ``device``; loads with any number of processes.
 
-    Example:
-        >>> model.load_state_dict(load_model_weights(latest_checkpoint("runs/demo")))  # doctest: +SKIP
+    Example (weights saved in bf16 come back in fp32):
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> checkpoint = tempfile.TemporaryDirectory()
+        >>> model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        >>> save_model_weights(model.state_dict(), Path(checkpoint.name) / "model.safetensors")
+        >>> weights = load_model_weights(checkpoint.name)
+        >>> {name: w.dtype for name, w in weights.items()}
+        {'bias': torch.float32, 'weight': torch.float32}
+        >>> torch.nn.Linear(4, 2).load_state_dict(weights)
+        <All keys matched successfully>
+        >>> checkpoint.cleanup()
     """
     path = Path(checkpoint_dir) / MODEL_FILE
     if not path.is_file():

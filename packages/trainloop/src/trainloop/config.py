@@ -29,6 +29,11 @@ class TrainConfig:
     Example:
         >>> cfg = TrainConfig(lr=3e-4, min_lr=1e-6, warmup_steps=500, t_max=10_000, max_steps=10_000,
         ...                   clip_groups={"*embed*": 2.0, "*.o_proj.*": 0.5, "norm_f.*": 0.1}, precision="bf16")
+        >>> cfg.engine, cfg.clip  # "default": the parameters no pattern matches
+        ('torch', 1.0)
+        >>> TrainConfig(precision="fp8")
+        Traceback (most recent call last):
+        trainloop.config.ConfigError: TrainConfig.precision='fp8' is invalid: allowed values are fp32, bf16, fp16
     """
 
     # Optimiser and schedule (linear warmup from min_lr to lr, then the schedule down to min_lr at t_max).

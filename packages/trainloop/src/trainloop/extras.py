@@ -23,8 +23,15 @@ def import_extra(module: str, extra: str, purpose: str, dist: str = DIST) -> Mod
     Only the module itself (or its top-level package) being absent is translated; an installed package that fails
     on one of its own imports keeps its original error, which names the real cause.
 
-    Example:
-        >>> deepspeed = import_extra("deepspeed", "deepspeed", "TrainConfig(engine='deepspeed')")  # doctest: +SKIP
+    Example (`None` in `sys.modules` makes an import fail as if the module were not installed):
+        >>> import sys
+        >>> from unittest import mock
+        >>> with mock.patch.dict(sys.modules, deepspeed=None):
+        ...     try:
+        ...         import_extra("deepspeed", "deepspeed", "the DeepSpeed engine")
+        ...     except MissingExtraError as exc:
+        ...         print(exc)
+        the DeepSpeed engine needs deepspeed, which is not installed: pip install 'lmtools-trainloop[deepspeed]'
     """
     try:
         return importlib.import_module(module)

@@ -20,7 +20,20 @@ def inspect_gradients(
     ``plot`` extra) the table is still written and a one-line warning says the PNG was not.
 
     Example:
-        >>> inspect_gradients(list(zip(names, grads)), Path("runs/demo/inspect"), 100, groups)  # doctest: +SKIP
+        >>> import os, tempfile, torch
+        >>> from pathlib import Path
+        >>> from trainloop.clipping import ClipGroups
+        >>> model = torch.nn.Linear(4, 2)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> named_grads = [(name, p.grad) for name, p in model.named_parameters()]
+        >>> groups = ClipGroups([name for name, _ in named_grads], {"weight": 1.0}, 1.0)
+        >>> out = tempfile.TemporaryDirectory()
+        >>> table = inspect_gradients(named_grads, Path(out.name), 100, groups)
+        >>> sorted(os.listdir(out.name))  # the PNG needs the plot extra
+        ['grads_step100.png', 'grads_step100.tsv']
+        >>> [line.split("\\t")[:3] for line in table.read_text().splitlines()]
+        [['name', 'group', 'shape'], ['weight', 'weight', '2x4'], ['bias', 'default', '2']]
+        >>> out.cleanup()
     """
     if not write:
         return None

@@ -20,6 +20,8 @@ def new_figure(figsize: tuple[float, float], purpose: str) -> Figure:
 
     Example:
         >>> fig = new_figure((8, 6), "plot_metrics")  # fig.subplots(...), fig.savefig("out.png")
+        >>> type(fig.canvas).__name__, fig.get_size_inches().tolist()
+        ('FigureCanvasAgg', [8.0, 6.0])
     """
     figure = import_extra("matplotlib.figure", "plot", purpose)
     backend_agg = import_extra("matplotlib.backends.backend_agg", "plot", purpose)
@@ -33,7 +35,16 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     JSON object (a last line cut short by a crash) are left out (:func:`~trainloop.metrics_logging.read_metrics`).
 
     Example:
-        >>> plot_metrics("runs/demo/metrics.jsonl", "runs/demo/metrics.png")  # doctest: +SKIP
+        >>> import json, tempfile
+        >>> from pathlib import Path
+        >>> out = tempfile.TemporaryDirectory()
+        >>> run = Path(out.name)
+        >>> records = [{"step": s, "loss": 4 / s, "lr": 1e-3} for s in range(1, 11)] + [{"step": 10, "eval_loss": 0.5}]
+        >>> _ = (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in records))
+        >>> png = plot_metrics(run / "metrics.jsonl", run / "metrics.png")
+        >>> png.name, png.read_bytes()[1:4]  # a PNG file's signature
+        ('metrics.png', b'PNG')
+        >>> out.cleanup()
     """
     from trainloop.metrics_logging import read_metrics
 

@@ -56,12 +56,32 @@ class Trainer:
     the time budget while the loop runs. ``clock`` measures training time (budget, timed evaluations, re-plans,
     throughput); a test may pass a deterministic one.
 
-    Example:
-        >>> cfg = TrainConfig(max_steps=100, lr=1e-3, warmup_steps=10, log_every=10, save_every=50)
-        >>> trainer = Trainer(model, cfg, batches, run_dir="runs/demo", eval_data=lambda: val_batches)  # doctest: +SKIP
-        >>> summary = trainer.fit()  # doctest: +SKIP
-        >>> summary["step"], summary["checkpoint"]  # doctest: +SKIP
-        (100, 'runs/demo/checkpoints/step_00000100')
+    Example (a linear regression; any module whose forward returns the loss trains the same way):
+        >>> import tempfile, torch
+        >>> from pathlib import Path
+        >>> from torch import nn
+        >>> class Regression(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.linear = nn.Linear(4, 1)
+        ...     def forward(self, inputs, targets):
+        ...         return nn.functional.mse_loss(self.linear(inputs), targets)
+        >>> _ = torch.manual_seed(0)
+        >>> x = torch.randn(64, 4); y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+        >>> batches = ((x[i : i + 8], y[i : i + 8]) for _ in range(100) for i in range(0, 64, 8))
+        >>> model, run = Regression(), tempfile.TemporaryDirectory()
+        >>> first_loss = model(x, y).item()
+        >>> cfg = TrainConfig(max_steps=40, lr=0.1, log_every=20, save_every=20, clip=0.0, weight_decay=0.0)
+        >>> summary = Trainer(model, cfg, batches, run_dir=run.name, eval_data=lambda: [(x, y)]).fit()
+        ... # doctest: +ELLIPSIS
+        [trainloop ...] torch engine, 1 rank(s), fp32, ...
+        [trainloop ...] step 20 | loss ...
+        [trainloop ...] saved checkpoint .../checkpoints/step_00000020
+        ...
+        [trainloop ...] eval at step 40: loss ...
+        >>> summary["step"], Path(summary["checkpoint"]).name, summary["eval"]["loss"] < first_loss / 4
+        (40, 'step_00000040', True)
+        >>> run.cleanup()
     """
 
     def __init__(
