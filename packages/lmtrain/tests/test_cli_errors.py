@@ -117,6 +117,15 @@ def _flipped_byte(tmp, made, mp, stack):
     return {}
 
 
+def _flipped_checkpoint_byte(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    for weights in (tmp / "run" / "checkpoints").glob("step_*/model.safetensors"):
+        raw = bytearray(weights.read_bytes())
+        raw[len(raw) // 2] ^= 0x01  # one bit of one weight: the size, the header and the file's shape still fine
+        weights.write_bytes(bytes(raw))
+    return {}
+
+
 def _full_at_checkpoint(tmp, made, mp, stack):
     import trainloop.engine_torch as engine_torch
 
@@ -253,6 +262,8 @@ ROWS = [
     ("eval --text missing", ["eval", *R, "--text", "{tmp}/none.txt"], _run_copy, ["none.txt"]),
     ("eval run.json wrong types", ["eval", *R, "--text", "{corpus}"], _run_json_wrong_types, ["run.json"]),
     ("eval --checkpoint 999", ["eval", *R, "--text", "{corpus}", "--checkpoint", "999"], _run_copy, ["999"]),
+    ("eval --verify full, a flipped byte", ["eval", *R, "--text", "{corpus}", "--verify", "full"],
+     _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
     # generate
     ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
      ["--temperature", "nan"]),
@@ -260,12 +271,16 @@ ROWS = [
     ("generate NaN weights", ["generate", *R, "--prompt", "x", "--checkpoint", "latest"], _nan_weights,
      ["NaN or inf", "step_00000002"]),
     ("generate run.json not JSON", ["generate", *R, "--prompt", "x"], _run_json_garbage, ["run.json"]),
+    ("generate --verify full, a flipped byte", ["generate", *R, "--prompt", "x", "--verify", "full"],
+     _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
     # export
     ("export --format bogus", ["export", *R, "--out", "{tmp}/x", "--format", "bogus"], _run_copy,
      ["--format", "bogus"]),
     ("export --run missing", ["export", "--run", "{tmp}/none", "--out", "{tmp}/x", "--format", "hf"], None,
      ["{tmp}/none"]),
     ("export --out a file", ["export", *R, "--out", "{tmp}/file", "--format", "hf"], _file_and_run, ["/file"]),
+    ("export --verify full, a flipped byte", ["export", *R, "--out", "{tmp}/x", "--format", "hf", "--verify",
+     "full"], _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
     # doctor
     ("doctor --hostfile missing", ["doctor", "--hostfile", "{tmp}/none"], None, ["hostfile {tmp}/none", "No such"]),
     ("doctor --hostfile binary", ["doctor", "--hostfile", "{tmp}/hosts"], _hostfile_binary,
@@ -298,3 +313,35 @@ def test_bad_input_is_one_line(argv, setup, words, made, tmp_path, monkeypatch, 
     assert code == 2 and len(lines) == 1, err
     for word in words:
         assert word.format(**values) in lines[0], (word.format(**values), lines[0])
+
+
+ACCEPTED = [
+    ("eval", ["eval", *R, "--text", "{corpus}"]),
+    ("eval --verify sizes", ["eval", *R, "--text", "{corpus}", "--verify", "sizes"]),
+    ("generate --verify sizes", ["generate", *R, "--prompt", "x", "--max-new-tokens", "2", "--verify", "sizes"]),
+    ("export", ["export", *R, "--out", "{tmp}/x", "--format", "hf-custom"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", [r[1] for r in ACCEPTED], ids=[r[0] for r in ACCEPTED])
+def test_flipped_checkpoint_byte_passes_a_sizes_check(argv, made, tmp_path, monkeypatch):
+    """Sizes only (the default) reads no file's contents: a checkpoint with one bit flipped is used as is (the rows
+    above show `--verify full` refusing the same checkpoint)."""
+    _flipped_checkpoint_byte(tmp_path, made, monkeypatch, [])
+    assert main([a.format(tmp=tmp_path, corpus=made / "corpus.txt") for a in argv]) == 0
+
+
+@pytest.mark.parametrize("verify", ["sizes", "full"])
+def test_train_resume_verify(verify, made, tmp_path, monkeypatch, capsys):
+    """`train --resume` resumes from a checkpoint with one bit flipped under sizes; under full it names the file,
+    skips the checkpoint and, having no older one, starts from step 0."""
+    _flipped_checkpoint_byte(tmp_path, made, monkeypatch, [])
+    argv = [*T, "--out", "{tmp}/run", "--resume", "--verify", verify]
+    assert main([a.format(tmp=tmp_path, data=made / "data") for a in argv]) == 0
+    out = capsys.readouterr().out
+    skipped = "skipping incomplete checkpoint step_00000002: SHA-256 mismatch in model.safetensors"
+    resumed = f"resumed from {tmp_path}/run/checkpoints/step_00000002 at step 2"
+    if verify == "sizes":
+        assert resumed in out and skipped not in out, out
+    else:
+        assert skipped in out and "starting from step 0" in out and resumed not in out, out

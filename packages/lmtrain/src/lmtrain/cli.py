@@ -107,6 +107,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start over in a RUN_DIR that holds checkpoints, deleting them (without it such a RUN_DIR is refused)",
     )
+    _add_verify_flag(p, "the checkpoint --resume picks", "; rank 0 reads it while the other ranks wait")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
@@ -128,6 +129,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _add_verify_flag(p: argparse.ArgumentParser, what: str, wait: str = "") -> None:
+    p.add_argument(
+        "--verify",
+        default="sizes",
+        choices=["sizes", "full"],
+        help=f"how {what} is checked against its manifest before use. sizes (default): every file present with "
+        "its recorded size; reads only file metadata, and catches an interrupted or cut-short save. full: also "
+        "recomputes every file's SHA-256, and catches altered bytes, but reads the whole checkpoint, weights and "
+        f"optimizer state (12 bytes or more per parameter: over 15 GB for a 1.3B model){wait}",
+    )
+
+
 def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint",
@@ -136,6 +149,7 @@ def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
         help="which checkpoint: the best evaluated (default; the latest when the run has no evaluation, with a note), "
         "the newest complete, a step number or a checkpoint directory",
     )
+    _add_verify_flag(p, "the checkpoint")
 
 
 def _add_device_flags(p: argparse.ArgumentParser) -> None:

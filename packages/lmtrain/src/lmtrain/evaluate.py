@@ -268,6 +268,7 @@ def run_eval(args: argparse.Namespace) -> int:
             args.run,
             str(device),
             checkpoint=args.checkpoint,
+            verify=args.verify,
             dtype=dtype,
             on_note=(lambda note: print(f"lmtrain eval: {note}", file=sys.stderr)) if rank == 0 else None,
         )

@@ -150,6 +150,7 @@ def export_run(
     *,
     fmt: str = "hf",
     checkpoint: str = "best",
+    verify: str = "sizes",
     force: bool = False,
     max_seq_len: int | None = None,
     lora: str | os.PathLike | None = None,
@@ -158,6 +159,8 @@ def export_run(
     on_note: Callable[[str], None] | None = None,
 ) -> Path:
     """Export the run's `checkpoint` to `out` in `fmt` ("hf" or "hf-custom"); returns the checkpoint exported.
+
+    `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
 
     Example:
         >>> export_run("runs/demo", "export/demo", fmt="hf", checkpoint="best")  # doctest: +SKIP
@@ -171,7 +174,7 @@ def export_run(
     out = Path(out)
     _check_destination(out, force)
     _import_hf("transformers")
-    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, on_note=on_note)
+    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note)
     if lora is not None:
         from safetensors import SafetensorError
 
@@ -268,6 +271,7 @@ def run_export(args: argparse.Namespace) -> int:
         args.out,
         fmt=args.format,
         checkpoint=args.checkpoint,
+        verify=args.verify,
         force=args.force,
         max_seq_len=args.max_seq_len,
         lora=args.lora,

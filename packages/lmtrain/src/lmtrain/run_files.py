@@ -119,13 +119,15 @@ def load_trained_model(
     map_location: str = "cpu",
     *,
     checkpoint: str | int = "latest",
+    verify: str = "sizes",
     dtype: Any = None,
     on_note: Callable[[str], None] | None = None,
 ) -> tuple[Any, dict[str, Any], Path]:
     """(GPT in eval mode with a checkpoint's weights, run.json, checkpoint path).
 
     `checkpoint`: "latest" (newest complete), "best" (best evaluation; the latest when the run has none), a step
-    or a checkpoint directory, as trainloop's `CheckpointStore.resolve` takes it. `on_note` receives each note on
+    or a checkpoint directory, as trainloop's `CheckpointStore.resolve` takes it, checked as `verify` says ("sizes":
+    every file present with its recorded size; "full": also every file's SHA-256). `on_note` receives each note on
     what was skipped or fallen back from (e.g. "no evaluated best checkpoint in this run; using the latest").
     `dtype` (a torch dtype) casts the weights after loading; None keeps the checkpoint's (fp32).
 
@@ -137,7 +139,7 @@ def load_trained_model(
 
     run = read_run(run_dir)
     try:
-        path, notes = CheckpointStore(run_dir).resolve(checkpoint)
+        path, notes = CheckpointStore(run_dir).resolve(checkpoint, verify)
     except CheckpointError as exc:
         raise LmtrainError(str(exc)) from None
     for note in notes:

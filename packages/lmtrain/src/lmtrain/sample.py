@@ -19,13 +19,14 @@ def generate_text(
     top_k: int | None = 200,
     seed: int | None = None,
     checkpoint: str = "best",
+    verify: str = "sizes",
     device: str | None = None,
     dtype: str = "fp32",
     on_note: Callable[[str], None] | None = None,
 ) -> str:
     """The prompt followed by up to `max_new_tokens` sampled tokens, as text.
 
-    `checkpoint`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
+    `checkpoint`, `verify`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
     takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken.
 
     Example:
@@ -46,7 +47,7 @@ def generate_text(
         raise LmtrainError(f"--top-k must be >= 1, got {top_k}")
     where = resolve_device(device)
     model, run, path = load_trained_model(
-        run_dir, str(where), checkpoint=checkpoint, dtype=resolve_dtype(dtype, where), on_note=on_note
+        run_dir, str(where), checkpoint=checkpoint, verify=verify, dtype=resolve_dtype(dtype, where), on_note=on_note
     )
     sp = load_tokenizer(run_dir)
     eos_id = run.get("eos_id")
@@ -87,6 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
             checkpoint=args.checkpoint,
+            verify=args.verify,
             device=args.device,
             dtype=args.dtype,
             on_note=lambda note: print(f"lmtrain generate: {note}", file=sys.stderr),

@@ -368,7 +368,7 @@ def run_train(args: argparse.Namespace) -> int:
             extra_state={"model_config": model_cfg.to_dict(), "data_config": dataclasses.asdict(data_cfg)},
             schedule=BudgetSchedule(train_cfg, **schedule_kwargs) if budgeted else None,
         )
-        summary = trainer.fit(resume=args.resume, overwrite=args.overwrite)
+        summary = trainer.fit(resume=args.resume, overwrite=args.overwrite, verify=args.verify)
     except (ConfigError, CheckpointError) as exc:
         raise LmtrainError(str(exc)) from exc
     except CollectiveError as exc:
