@@ -57,8 +57,20 @@ def check_token_data(
     were read in full this time (those not found in the cache).
 
     Example:
-        >>> check_token_data(["data/train.bin", "data/val.bin"], 32000)  # doctest: +SKIP
+        >>> import tempfile
+        >>> import numpy as np
+        >>> import tokbin
+        >>> data = tempfile.TemporaryDirectory()
+        >>> _ = tokbin.write_tokens(f"{data.name}/train.bin", np.arange(1000) % 500, vocab_size=500)
+        >>> check_token_data([f"{data.name}/train.bin"], 512)  # doctest: +ELLIPSIS
+        lmtrain: verifying .../train.bin (0.00 GB: SHA-256 and token ids; once, the result is kept in ...)
+        ['.../train.bin']
+        >>> check_token_data([f"{data.name}/train.bin"], 512)  # verified before: nothing read
         []
+        >>> check_token_data([f"{data.name}/train.bin"], 400)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.errors.LmtrainError: .../train.bin: its header says vocab_size 500, the model's vocab_size is 400: ...
+        >>> data.cleanup()
     """
     import tokbin
 

@@ -35,8 +35,15 @@ def build_corpus(out_file: Path, max_bytes: int = DEMO_CORPUS_BYTES) -> dict[str
     """Write about `max_bytes` of stdlib source into `out_file`, each file under a `# file:` line.
 
     Example:
-        >>> build_corpus(Path("corpus.txt"), 100_000)["files"] > 0  # doctest: +SKIP
+        >>> import tempfile
+        >>> out = tempfile.TemporaryDirectory()
+        >>> corpus = Path(out.name) / "corpus.txt"
+        >>> info = build_corpus(corpus, 1_000_000)
+        >>> 0 < info["files"] < info["available_files"], info["bytes"] == corpus.stat().st_size
+        (True, True)
+        >>> corpus.read_text(encoding="utf-8").startswith("# file: ")
         True
+        >>> out.cleanup()
     """
     files = stdlib_sources()
     sizes = [p.stat().st_size for p in files]

@@ -94,8 +94,18 @@ def read_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
     file, a host that is not HOST_RULE, a bad slots= value, anything else on a line, or a host listed twice.
 
     Example:
-        >>> read_hostfile("tools/cluster-3090/hostfile")[0]  # doctest: +SKIP
-        ('node1', 4)
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> out = tempfile.TemporaryDirectory()
+        >>> hostfile = Path(out.name) / "hostfile"
+        >>> _ = hostfile.write_text("# the workstations\\nnode1 slots=4\\nnode2 slots=4\\nnode3\\n")
+        >>> read_hostfile(hostfile)
+        [('node1', 4), ('node2', 4), ('node3', 1)]
+        >>> _ = hostfile.write_text("node1 slots=four\\n")
+        >>> read_hostfile(hostfile)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.doctor.HostfileError: hostfile .../hostfile line 1: 'slots=four': slots must be a whole number ...
+        >>> out.cleanup()
     """
     expected = 'expected text lines of "host slots=N"'
     try:

@@ -132,7 +132,16 @@ def sliding_window_nll(
     and the sums are all-reduced, so every rank returns the whole text's figures.
 
     Example:
-        >>> nll, n = sliding_window_nll(model, torch.tensor([0, 5, 9, 2]), context=256, stride=128)  # doctest: +SKIP
+        >>> import math, torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = GPT(ModelConfig.from_preset("tiny")).eval()
+        >>> tokens = torch.randint(0, 97, (20,))
+        >>> nll, n = sliding_window_nll(model, tokens, context=32, stride=16)
+        >>> whole = model(tokens[None, :-1], labels=tokens[None, 1:]).loss  # 20 tokens fit one window
+        >>> n, math.isclose(nll / n, whole.item(), rel_tol=1e-5)
+        (19, True)
+        >>> sliding_window_nll(model, torch.randint(0, 97, (100,)), context=32, stride=16)[1]
+        99
     """
     tokens = tokens.long().flatten()
     n_targets = tokens.numel() - 1
@@ -215,8 +224,27 @@ def evaluate_text(
     kernels' run-to-run variation). `rank`/`world_size` split the windows over a process group (see
     `sliding_window_nll`).
 
-    Example:
-        >>> evaluate_text(model, sp, "To be, or not to be", context=64, stride=32, eos_id=2)["tokens"]  # doctest: +SKIP
+    Example (an untrained tiny model and a tokenizer `lmtrain prepare` trained on a little of the standard
+    library's source):
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import sentencepiece as spm
+        >>> from lmtrain.demo import build_corpus
+        >>> from lmtrain.prepare_data import prepare
+        >>> work = tempfile.TemporaryDirectory()
+        >>> corpus = build_corpus(Path(work.name) / "input.txt", 100_000)  # Python source of the standard library
+        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
+        >>> sp = spm.SentencePieceProcessor(model_file=f"{work.name}/data/tokenizer.model")
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = GPT(ModelConfig.from_preset("tiny", vocab_size=400)).eval()
+        >>> result = evaluate_text(model, sp, "To be, or not to be", context=32, stride=16, eos_id=2)
+        >>> result["bytes"], result["words"], result["lossless_encoding"], result["context"], result["stride"]
+        (19, 6, True, 32, 16)
+        >>> result["tokens"] == len(sp.encode("To be, or not to be"))  # every token scored once
+        True
+        >>> 5 < result["loss"] < 7  # an untrained model: about ln(400) = 6.0 nats per token
+        True
+        >>> work.cleanup()
     """
     ids, lossless = encode_for_eval(sp, text, eos_id)
     stats = text_stats(text)

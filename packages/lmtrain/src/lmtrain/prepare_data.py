@@ -79,9 +79,20 @@ def prepare(
     text; plain text is then cut into documents at blank lines. ``shard_mb`` writes each split as a resumable shard
     directory instead of one file.
 
-    Example:
-        >>> meta = prepare(["input.txt"], "data/shakespeare", val_fraction=0.1)  # doctest: +SKIP
-        >>> meta["train"]["bytes_per_token"]  # doctest: +SKIP
+    Example (a little of the standard library's Python source as the corpus):
+        >>> import os, tempfile
+        >>> from pathlib import Path
+        >>> from lmtrain.demo import build_corpus
+        >>> work = tempfile.TemporaryDirectory()
+        >>> _ = build_corpus(Path(work.name) / "input.txt", 100_000)
+        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
+        >>> meta["vocab_size"], meta["split"], meta["train"]["file"], meta["val"]["file"]
+        (400, {'by': 'document hash', 'val_fraction': 0.1}, 'train.bin', 'val.bin')
+        >>> meta["train"]["tokens"] > 10 * meta["val"]["tokens"] > 0, 1 < meta["train"]["bytes_per_token"] < 4
+        (True, True)
+        >>> sorted(os.listdir(Path(work.name) / "data"))  # doctest: +ELLIPSIS
+        ['meta.json', 'tokenizer.model', ..., 'train.bin', ..., 'val.bin', ..., 'val.txt']
+        >>> work.cleanup()
     """
     import tokbin
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS

@@ -47,9 +47,21 @@ class DirectoryLock:
     A directory this lock created and left holding nothing but the lock file (the command failed before writing
     anything) is removed again on release, so a refused command leaves no trace.
 
-    Example:
-        >>> with DirectoryLock("runs/demo", "lmtrain train"):  # doctest: +SKIP
-        ...     train()
+    Example (a second writer on the same directory is refused in one line):
+        >>> import os, tempfile
+        >>> from lmtrain.errors import LmtrainError
+        >>> runs = tempfile.TemporaryDirectory()
+        >>> run = os.path.join(runs.name, "demo")
+        >>> with DirectoryLock(run, "lmtrain train"):
+        ...     try:
+        ...         with DirectoryLock(run, "lmtrain prepare"):
+        ...             pass
+        ...     except LmtrainError as exc:
+        ...         print(exc)  # doctest: +ELLIPSIS
+        --out .../demo: in use by `lmtrain train` (pid ... on host ..., since ...) (lock .../demo/.lmtrain.lock): ...
+        >>> os.path.exists(run)  # created by the lock and left empty: removed again
+        False
+        >>> runs.cleanup()
     """
 
     def __init__(self, directory: str | os.PathLike, command: str, *, flag: str = "--out") -> None:

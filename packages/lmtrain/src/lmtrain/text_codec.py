@@ -27,8 +27,20 @@ LOSSLESS_SPM_OPTIONS: dict[str, Any] = dict(
 def encode(sp: Any, text: str) -> list[int]:
     """Token ids of `text`, encoded line by line with the newlines kept, as tokbin.encode_files does.
 
-    Example:
-        >>> encode(sp, "to be\\nor not")  # doctest: +SKIP
+    Example (a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import sentencepiece as spm
+        >>> from lmtrain.demo import build_corpus
+        >>> from lmtrain.prepare_data import prepare
+        >>> work = tempfile.TemporaryDirectory()
+        >>> corpus = build_corpus(Path(work.name) / "input.txt", 100_000)  # Python source of the standard library
+        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
+        >>> sp = spm.SentencePieceProcessor(model_file=f"{work.name}/data/tokenizer.model")
+        >>> ids = encode(sp, "to be\\nor not")
+        >>> ids == sp.encode("to be\\n") + sp.encode("or not"), decode(sp, ids)
+        (True, 'to be\\nor not')
+        >>> work.cleanup()
     """
     lines = text.splitlines(keepends=True)
     return [i for ids in sp.encode(lines) for i in ids]
