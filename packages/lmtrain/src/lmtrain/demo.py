@@ -7,7 +7,10 @@ corpus (stdlib .py files outside the test suites) -> prepare -> train cpu-small 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -19,6 +22,7 @@ from lmtrain.errors import LmtrainError
 DEMO_CORPUS_BYTES = 2_500_000
 DEMO_VAL_FRACTION = 0.05
 DEMO_EVAL_CHARS = 20_000  # held-out characters scored at the end (a full pass would outlast a short demo)
+TINY_CORPUS_BYTES, TINY_VOCAB_SIZE = 100_000, 400  # tiny_data: prepared in about a second
 _SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 
 
@@ -63,6 +67,51 @@ def build_corpus(out_file: Path, max_bytes: int = DEMO_CORPUS_BYTES) -> dict[str
             if written >= max_bytes:
                 break
     return {"files": used, "bytes": written, "available_files": len(files)}
+
+
+def tiny_data(directory: str | os.PathLike) -> Path:
+    """``directory/data``: a little of the standard library's source (written to ``directory/input.txt``) prepared
+    as `lmtrain prepare` does, with a tokenizer of 400 pieces. A real data directory in about a second, for examples.
+
+    Example:
+        >>> import json, tempfile
+        >>> work = tempfile.TemporaryDirectory()
+        >>> data = tiny_data(work.name)
+        >>> json.loads((data / "meta.json").read_text())["vocab_size"], (data / "tokenizer.model").is_file()
+        (400, True)
+        >>> work.cleanup()
+    """
+    from lmtrain.prepare_data import prepare
+
+    directory = Path(directory)
+    build_corpus(directory / "input.txt", TINY_CORPUS_BYTES)
+    prepare([directory / "input.txt"], directory / "data", vocab_size=TINY_VOCAB_SIZE, progress=False)
+    return directory / "data"
+
+
+def tiny_run(directory: str | os.PathLike, steps: int = 4) -> Path:
+    """``directory/run``: the tiny preset without biases (so that it exports as MPT) trained ``steps`` steps on
+    ``tiny_data(directory)``, evaluated and saved every 2 steps; the training log is not shown. Seconds on a CPU.
+
+    Example:
+        >>> import os, tempfile
+        >>> work = tempfile.TemporaryDirectory()
+        >>> run = tiny_run(work.name)
+        >>> sorted(os.listdir(run / "checkpoints"))
+        ['best.json', 'step_00000002', 'step_00000004']
+        >>> work.cleanup()
+    """
+    from lmtrain.cli import build_parser
+    from lmtrain.train_run import run_train
+
+    data, run = tiny_data(directory), Path(directory) / "run"
+    args = build_parser().parse_args(
+        ["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--max-steps", str(steps),
+         "--set", "bias=false", "--set", "eval_every=2", "--set", "save_every=2", "--set", "log_every=1"]
+    )  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        run_train(args)
+    return run
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -227,14 +227,10 @@ def evaluate_text(
     Example (an untrained tiny model and a tokenizer `lmtrain prepare` trained on a little of the standard
     library's source):
         >>> import tempfile
-        >>> from pathlib import Path
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
+        >>> from lmtrain.demo import tiny_data
         >>> work = tempfile.TemporaryDirectory()
-        >>> corpus = build_corpus(Path(work.name) / "input.txt", 100_000)  # Python source of the standard library
-        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
-        >>> sp = spm.SentencePieceProcessor(model_file=f"{work.name}/data/tokenizer.model")
+        >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> from lmcore import GPT, ModelConfig
         >>> model = GPT(ModelConfig.from_preset("tiny", vocab_size=400)).eval()
         >>> result = evaluate_text(model, sp, "To be, or not to be", context=32, stride=16, eos_id=2)

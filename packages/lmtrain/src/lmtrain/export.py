@@ -56,15 +56,11 @@ def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None 
 
     Example (needs the hf extra; a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
-        >>> from pathlib import Path
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
+        >>> from lmtrain.demo import tiny_data
         >>> work = tempfile.TemporaryDirectory()
-        >>> corpus = build_corpus(Path(work.name) / "input.txt", 100_000)  # Python source of the standard library
-        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
-        >>> sp = spm.SentencePieceProcessor(model_file=f"{work.name}/data/tokenizer.model")
-        >>> hf = hf_tokenizer(f"{work.name}/data/tokenizer.model")
+        >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
+        >>> hf = hf_tokenizer(f"{work.name}/data/tokenizer.model")  # the tokenizer tiny_data() prepared
         >>> hf("def f():\\n    return 1\\n")["input_ids"] == sp.encode("def f():\\n    return 1\\n")
         True
         >>> work.cleanup()
@@ -174,35 +170,23 @@ def export_run(
 
     `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
 
-    Example (needs the hf extra; a 4-step run of the tiny preset without biases, which maps onto MPT):
-        >>> import contextlib, io, tempfile
-        >>> from pathlib import Path
-        >>> from lmtrain.cli import main
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> work = Path(tmp.name)
-        >>> _ = build_corpus(work / "input.txt", 100_000)  # Python source of the standard library
-        >>> _ = prepare([work / "input.txt"], work / "data", vocab_size=400, progress=False)
-        >>> train = ["train", "--data", str(work / "data"), "--out", str(work / "run"), "--preset", "tiny",
-        ...          "--max-steps", "4", "--set", "bias=false", "--set", "eval_every=2", "--set", "save_every=2"]
-        >>> with contextlib.redirect_stdout(io.StringIO()):  # `lmtrain train ...`; its log is not shown here
-        ...     status = main(train)
-        >>> status
-        0
-        >>> import os, torch
+    Example (needs the hf extra; `tiny_run`: 4 steps of the tiny preset without biases, which maps onto MPT):
+        >>> import os, tempfile, torch
         >>> from transformers import AutoModelForCausalLM
+        >>> from lmtrain.demo import tiny_run
         >>> from lmtrain.run_files import load_trained_model
-        >>> with contextlib.redirect_stdout(io.StringIO()):
-        ...     exported = export_run(work / "run", work / "export", fmt="hf", checkpoint="best")
-        >>> sorted(os.listdir(work / "export"))  # doctest: +ELLIPSIS
+        >>> work = tempfile.TemporaryDirectory()
+        >>> run_dir = tiny_run(work.name)
+        >>> out = os.path.join(work.name, "export")
+        >>> exported = export_run(run_dir, out, fmt="hf", checkpoint="best")
+        >>> sorted(os.listdir(out))  # doctest: +ELLIPSIS
         ['config.json', ...'model.safetensors', 'tokenizer.json', ...]
-        >>> hf = AutoModelForCausalLM.from_pretrained(work / "export")
-        >>> model, _, _ = load_trained_model(work / "run", checkpoint=str(exported))
+        >>> hf = AutoModelForCausalLM.from_pretrained(out)
+        >>> model, _, _ = load_trained_model(run_dir, checkpoint=str(exported))
         >>> ids = torch.randint(0, 400, (1, 40))
         >>> type(hf).__name__, torch.allclose(hf(ids).logits, model(ids).logits, atol=1e-5)
         ('MptForCausalLM', True)
-        >>> tmp.cleanup()
+        >>> work.cleanup()
     """
     from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer, load_trained_model
 

@@ -131,29 +131,18 @@ def load_trained_model(
     what was skipped or fallen back from (e.g. "no evaluated best checkpoint in this run; using the latest").
     `dtype` (a torch dtype) casts the weights after loading; None keeps the checkpoint's (fp32).
 
-    Example (a 4-step run of the tiny preset on a little of the standard library's source):
-        >>> import contextlib, io, tempfile
-        >>> from pathlib import Path
-        >>> from lmtrain.cli import main
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> work = Path(tmp.name)
-        >>> _ = build_corpus(work / "input.txt", 100_000)  # Python source of the standard library
-        >>> _ = prepare([work / "input.txt"], work / "data", vocab_size=400, progress=False)
-        >>> train = ["train", "--data", str(work / "data"), "--out", str(work / "run"), "--preset", "tiny",
-        ...          "--max-steps", "4", "--set", "bias=false", "--set", "eval_every=2", "--set", "save_every=2"]
-        >>> with contextlib.redirect_stdout(io.StringIO()):  # `lmtrain train ...`; its log is not shown here
-        ...     status = main(train)
-        >>> status
-        0
+    Example (`tiny_run`: 4 steps of the tiny preset on a little of the standard library's source):
+        >>> import tempfile
+        >>> from lmtrain.demo import tiny_run
+        >>> work = tempfile.TemporaryDirectory()
+        >>> run_dir = tiny_run(work.name)
         >>> import json
-        >>> model, run, checkpoint = load_trained_model(work / "run", checkpoint="best", on_note=print)
+        >>> model, run, checkpoint = load_trained_model(run_dir, checkpoint="best", on_note=print)
         >>> type(model).__name__, model.training, run["model_config"]["vocab_size"]
         ('GPT', False, 400)
-        >>> checkpoint.name == json.loads((work / "run" / "checkpoints" / "best.json").read_text())["checkpoint"]
+        >>> checkpoint.name == json.loads((run_dir / "checkpoints" / "best.json").read_text())["checkpoint"]
         True
-        >>> tmp.cleanup()
+        >>> work.cleanup()
     """
     from lmcore import GPT, ModelConfig
     from trainloop.checkpoint import CheckpointError, CheckpointStore, load_model_weights

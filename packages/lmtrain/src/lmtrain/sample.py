@@ -29,27 +29,15 @@ def generate_text(
     `checkpoint`, `verify`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
     takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken.
 
-    Example (a 4-step run of the tiny preset: its continuation is noise, but a seed repeats it):
-        >>> import contextlib, io, tempfile
-        >>> from pathlib import Path
-        >>> from lmtrain.cli import main
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> work = Path(tmp.name)
-        >>> _ = build_corpus(work / "input.txt", 100_000)  # Python source of the standard library
-        >>> _ = prepare([work / "input.txt"], work / "data", vocab_size=400, progress=False)
-        >>> train = ["train", "--data", str(work / "data"), "--out", str(work / "run"), "--preset", "tiny",
-        ...          "--max-steps", "4", "--set", "bias=false", "--set", "eval_every=2", "--set", "save_every=2"]
-        >>> with contextlib.redirect_stdout(io.StringIO()):  # `lmtrain train ...`; its log is not shown here
-        ...     status = main(train)
-        >>> status
-        0
-        >>> text = generate_text(str(work / "run"), "def main(", max_new_tokens=20, seed=0)
-        >>> again = generate_text(str(work / "run"), "def main(", max_new_tokens=20, seed=0)
-        >>> text.startswith("def main("), text == again
+    Example (`tiny_run`: 4 steps of the tiny preset, whose continuation is noise, but a seed repeats it):
+        >>> import tempfile
+        >>> from lmtrain.demo import tiny_run
+        >>> work = tempfile.TemporaryDirectory()
+        >>> run_dir = tiny_run(work.name)
+        >>> text = generate_text(str(run_dir), "def main(", max_new_tokens=20, seed=0)
+        >>> text.startswith("def main("), text == generate_text(str(run_dir), "def main(", max_new_tokens=20, seed=0)
         (True, True)
-        >>> tmp.cleanup()
+        >>> work.cleanup()
     """
     import torch
 

@@ -29,14 +29,10 @@ def encode(sp: Any, text: str) -> list[int]:
 
     Example (a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
-        >>> from pathlib import Path
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import build_corpus
-        >>> from lmtrain.prepare_data import prepare
+        >>> from lmtrain.demo import tiny_data
         >>> work = tempfile.TemporaryDirectory()
-        >>> corpus = build_corpus(Path(work.name) / "input.txt", 100_000)  # Python source of the standard library
-        >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)
-        >>> sp = spm.SentencePieceProcessor(model_file=f"{work.name}/data/tokenizer.model")
+        >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> ids = encode(sp, "to be\\nor not")
         >>> ids == sp.encode("to be\\n") + sp.encode("or not"), decode(sp, ids)
         (True, 'to be\\nor not')
