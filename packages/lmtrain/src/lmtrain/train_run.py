@@ -121,9 +121,19 @@ def build_configs(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, 
 def document_separator_of(token_file: str) -> int:
     """The EOS id that tokbin wrote after each document of `token_file` (what --document-attention uses).
 
-    Example:
-        >>> document_separator_of("data/train.bin")  # doctest: +SKIP
+    Example (`tiny_data`: a little of the standard library's source, prepared):
+        >>> import tempfile
+        >>> import numpy as np
+        >>> import tokbin
+        >>> from lmtrain.demo import tiny_data
+        >>> work = tempfile.TemporaryDirectory()
+        >>> document_separator_of(str(tiny_data(work.name) / "train.bin"))
         2
+        >>> _ = tokbin.write_tokens(f"{work.name}/no_eos.bin", np.arange(10), vocab_size=400)
+        >>> document_separator_of(f"{work.name}/no_eos.bin")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.errors.LmtrainError: --document-attention: .../no_eos.bin has no EOS id in its header (encoded ...
+        >>> work.cleanup()
     """
     import tokbin
 
@@ -143,9 +153,20 @@ def open_train_data(blend_spec: Path | None, meta: dict[str, Any]) -> Any:
     """The training tokens: the prepared split (a token file or a shard directory), or the blend `blend_spec` names,
     whose sources must be encoded with the data directory's tokenizer.
 
-    Example:
-        >>> open_train_data(Path("data/mix.json"), read_meta("data"))  # doctest: +SKIP
-        Blend(sources[0] (data/web.bin): 0.7, sources[1] (data/books.bin): 0.3; n_tokens=..., vocab_size=32000)
+    Example (`tiny_data`'s two splits stand in for two corpora encoded with its tokenizer):
+        >>> import json, tempfile
+        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.run_files import read_meta
+        >>> work = tempfile.TemporaryDirectory()
+        >>> data = tiny_data(work.name)
+        >>> meta = read_meta(data)
+        >>> open_train_data(None, meta).n_tokens == json.loads((data / "meta.json").read_text())["train"]["tokens"]
+        True
+        >>> mix = {"sources": [{"path": "train.bin", "weight": 0.7}, {"path": "val.bin", "weight": 0.3}]}
+        >>> _ = (data / "mix.json").write_text(json.dumps(mix))
+        >>> open_train_data(data / "mix.json", meta)  # doctest: +ELLIPSIS
+        Blend(sources[0] (.../train.bin): 0.7, sources[1] (.../val.bin): 0.3; n_tokens=..., vocab_size=400)
+        >>> work.cleanup()
     """
     import tokbin
 
@@ -214,10 +235,13 @@ def keep_global_batch(train_cfg: Any, rows: int, world: int, fixed: set[str]) ->
     changing the accumulation (else the micro batch), and a note saying what was done. Fields in `fixed` (set with
     --set or by the DeepSpeed JSON) are left as they are.
 
-    Example:
-        >>> cfg, note = keep_global_batch(TrainConfig(micro_batch=8, grad_accum=1), 16, 1, set())  # doctest: +SKIP
-        >>> cfg.grad_accum, note  # doctest: +SKIP
+    Example (a run of 16 rows per step, resumed on one rank):
+        >>> from trainloop import TrainConfig
+        >>> cfg, note = keep_global_batch(TrainConfig(micro_batch=8, grad_accum=1), 16, 1, set())
+        >>> cfg.grad_accum, note
         (2, 'grad_accum 1 -> 2 keeps the global batch of 16 rows')
+        >>> keep_global_batch(TrainConfig(micro_batch=8, grad_accum=1), 16, 1, {"grad_accum"})[1]  # set by the user
+        'micro_batch 8 -> 16 keeps the global batch of 16 rows'
     """
     micro, accum = train_cfg.micro_batch, train_cfg.grad_accum
     if micro * accum * world == rows:
