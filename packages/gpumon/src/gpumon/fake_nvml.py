@@ -8,7 +8,8 @@ simulated metric refreshes on its own period (the value changes once per period,
 GPU can lack a metric (NotSupported) or disappear at a given time (GPU_IS_LOST from then on), and a simulated
 driver can predate some field ids or the field-values entry point itself.
 
-`simulated_gpus()` puts a FakeNVML in place of `pynvml` for the length of a `with` block.
+`simulated_gpus()` puts a FakeNVML in place of `pynvml` for the length of a `with` block; `simulated_recording()`
+writes what a Monitor records of it.
 
 Example:
     >>> import gpumon
@@ -32,9 +33,12 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
+
+from gpumon.monitor import Monitor
 
 # The binding's constants (same values as nvidia-ml-py's pynvml).
 CONSTANTS = {
@@ -362,3 +366,22 @@ def simulated_gpus(gpus: list[FakeGPU] | None = None) -> Iterator[FakeNVML]:
     visible = ",".join(str(i) for i in range(len(fake.gpus)))
     with mock.patch.dict(sys.modules, pynvml=fake), mock.patch.dict(os.environ, CUDA_VISIBLE_DEVICES=visible):
         yield fake
+
+
+def simulated_recording(path: str | os.PathLike[str], seconds: float = 0.05) -> Path:
+    """`path`: what `gpumon.Monitor` records of `simulated_gpus()` and the host in `seconds`, with the mark
+    ("step", 0) at the start. A real recording to read, summarise or plot, for examples and tests.
+
+    Example:
+        >>> import tempfile
+        >>> from gpumon import Recording
+        >>> out = tempfile.TemporaryDirectory()
+        >>> rec = Recording(simulated_recording(f"{out.name}/gpu.csv"))
+        >>> rec.meta["backends"], [d.get("name") for d in rec.meta["devices"]]
+        (['nvml', 'host'], ['Fake GPU 0', 'Fake GPU 1', None])
+        >>> out.cleanup()
+    """
+    with simulated_gpus(), Monitor(out=path) as mon:
+        mon.mark("step", 0)
+        time.sleep(seconds)
+    return Path(path)

@@ -54,14 +54,11 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
 
     Raises :class:`MissingExtraError` without matplotlib, :class:`~gpumon.recording.RecordingError` for a bad file.
 
-    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
-        >>> import tempfile, time
-        >>> from gpumon import Monitor
-        >>> from gpumon.fake_nvml import simulated_gpus
+    Example (a recording of two simulated GPUs from `gpumon.fake_nvml`):
+        >>> import tempfile
+        >>> from gpumon.fake_nvml import simulated_recording
         >>> run = tempfile.TemporaryDirectory()
-        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
-        ...     time.sleep(0.05)  # a training step
-        >>> png = plot_recording(f"{run.name}/gpu.csv", f"{run.name}/gpu.png")
+        >>> png = plot_recording(simulated_recording(f"{run.name}/gpu.csv"), f"{run.name}/gpu.png")
         >>> png.name, png.read_bytes()[1:4]  # a PNG file's signature
         ('gpu.png', b'PNG')
         >>> run.cleanup()

@@ -190,15 +190,11 @@ class Recording:
     Raises RecordingError, naming the file and what is wrong, for anything that is not a readable recording.
     Bytes that are not UTF-8 and lines that do not parse (a torn last line, a corrupted stretch) are skipped.
 
-    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
-        >>> import tempfile, time
-        >>> from gpumon import Monitor
-        >>> from gpumon.fake_nvml import simulated_gpus
+    Example (a recording of two simulated GPUs from `gpumon.fake_nvml`):
+        >>> import tempfile
+        >>> from gpumon.fake_nvml import simulated_recording
         >>> run = tempfile.TemporaryDirectory()
-        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
-        ...     mon.mark("step", 0)
-        ...     time.sleep(0.05)  # a training step
-        >>> rec = Recording(f"{run.name}/gpu.csv")
+        >>> rec = Recording(simulated_recording(f"{run.name}/gpu.csv"))
         >>> rec.columns[:2], rec.units["gpu0.memory_used_bytes"]
         (['gpu0.memory_used_bytes', 'gpu0.power_instant_mw'], 'B')
         >>> [(label, value) for t, kind, label, value, cells in rec.rows() if kind == "mark"]

@@ -15,16 +15,14 @@ DISPLAY = {"B": ("GiB", 2**30), "mW": ("W", 1000.0), "mJ": ("J", 1000.0), "KB/s"
 def summarize_recording(path: str | os.PathLike[str]) -> Summary:
     """Summarise a recording in one streaming pass (bounded memory whatever the file size).
 
-    Example (`simulated_gpus()` puts two simulated GPUs where a driver would be; on a GPU host leave it out):
-        >>> import tempfile, time
-        >>> from gpumon import Monitor
-        >>> from gpumon.fake_nvml import simulated_gpus
+    Example (a recording of two simulated GPUs from `gpumon.fake_nvml`):
+        >>> import tempfile
+        >>> from gpumon import Recording
+        >>> from gpumon.fake_nvml import simulated_recording
         >>> run = tempfile.TemporaryDirectory()
-        >>> with simulated_gpus(), Monitor(out=f"{run.name}/gpu.csv") as mon:
-        ...     mon.mark("step", 0)
-        ...     time.sleep(0.05)  # a training step
-        >>> s = summarize_recording(f"{run.name}/gpu.csv")
-        >>> s.samples == mon.summary().samples, s.marks
+        >>> path = simulated_recording(f"{run.name}/gpu.csv")
+        >>> s = summarize_recording(path)
+        >>> s.samples == Recording(path).trailer["ticks"], s.marks  # the ticks the live sampler counted
         (True, 1)
         >>> print(s)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         gpumon: ... samples, achieved ... Hz (target 100), p99 interval error ... ms, ... missed ticks
