@@ -8,6 +8,8 @@ from pathlib import Path
 
 from conftest import read_metrics, run_lmtrain
 
+from lmtrain.planner import RULE
+
 
 def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path):
     run = tmp_path / "run"
@@ -15,6 +17,11 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     summary = json.loads(result.stdout.strip().splitlines()[-1])["summary"]
     info = json.loads((run / "run.json").read_text())
     assert info["schedule"] == "budget"
+    # The plan read the passes over the data off the measured speed and chose the rule's regularisation for them.
+    _, dropout, weight_decay = [row for row in RULE if info["plan"]["passes"] >= row[0]][-1]
+    assert info["plan"]["passes"] > 1 and "lmtrain: plan: the budget buys about" in result.stdout
+    assert (info["model_config"]["dropout"], info["train_config"]["weight_decay"]) == (dropout, weight_decay)
+    assert info["train_config"]["early_stopping_patience"] > 0
     plans = info["budget_plan"]
     assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans) and len(plans) == 2
     assert result.stdout.count("re-planned at step") == 2 and result.stdout.count("torch engine") == 1  # one fit()

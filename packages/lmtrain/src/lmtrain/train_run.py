@@ -21,6 +21,7 @@ from lmtrain.data_check import check_token_data
 from lmtrain.errors import LmtrainError, OverrideError
 from lmtrain.model_setup import check_attention_backend
 from lmtrain.overrides import apply_overrides, parse_pairs
+from lmtrain.planner import plan_regularisation, training_passes
 from lmtrain.recipes import DEFAULT_PRESET, DataConfig, data_recipe, train_recipe
 from lmtrain.run_files import RUN_FILE, TOKENIZER_FILE, read_meta, read_run, write_json_atomic
 
@@ -186,8 +187,11 @@ def open_train_data(blend_spec: Path | None, meta: dict[str, Any]) -> Any:
     return blend
 
 
-def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int) -> tuple[int, dict[int, float]]:
-    """The faster of one thread and all cores for this model's training step, timed on a throw-away copy.
+def pick_cpu_threads(
+    model: Any, micro_batch: int, seq_len: int, vocab_size: int, counts: tuple[int, ...] | None = None
+) -> tuple[int, dict[int, float]]:
+    """The fastest thread count for this model's training step on the CPU, timed on a throw-away copy: of `counts`,
+    by default one thread and all cores.
 
     Returns (threads, seconds per step for each count tried).
     """
@@ -199,7 +203,7 @@ def pick_cpu_threads(model: Any, micro_batch: int, seq_len: int, vocab_size: int
     optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-9)
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
     timings: dict[int, float] = {}
-    for threads in sorted({1, os.cpu_count() or 1}):
+    for threads in counts or sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
         best = float("inf")
         for _ in range(3):  # the first step of each setting pays one-off costs; keep the best
@@ -258,16 +262,31 @@ def keep_global_batch(train_cfg: Any, rows: int, world: int, fixed: set[str]) ->
     )
 
 
-def budget_plan(train_cfg: Any, budget_s: float, step_s: float | None) -> tuple[Any, dict[str, Any]]:
+BUDGET_EVALS = 12  # evaluations per time-budgeted run
+BUDGET_PATIENCE = 3  # a time-budgeted run stops after this many evaluations in a row without a new best
+
+
+def budget_plan(
+    train_cfg: Any, budget_s: float, step_s: float | None, keep: set[str] = frozenset()
+) -> tuple[Any, dict[str, Any]]:
     """The TrainConfig of a run sized to `budget_s` seconds, and the BudgetSchedule's keyword arguments.
 
     About 20 logged points even for short budgets; an evaluation every twelfth of the budget on the configured
-    subset of the validation split; a first guess of the final step (twice what the probe's speed allows) that only
-    sizes the progress bar until the first re-plan.
+    subset of the validation split, the best checkpoint kept and early stopping after three evaluations without a
+    new best (unless `early_stopping_patience` is in `keep`, the keys the user set); a first guess of the final
+    step (twice what the probe's speed allows) that only sizes the progress bar until the first re-plan.
+
+    Example:
+        >>> from trainloop import TrainConfig
+        >>> cfg, kwargs = budget_plan(TrainConfig(), 260.0, 0.2)
+        >>> cfg.schedule, cfg.eval_every_s, cfg.early_stopping_patience, kwargs
+        ('wsd', 21.666666666666668, 3, {'first_guess': 2600})
     """
     log_every = max(1, min(train_cfg.log_every, int(budget_s) // 25))
-    cfg = dataclasses.replace(train_cfg, log_every=log_every, schedule="wsd", eval_every=0,
-                              eval_every_s=budget_s / 12, time_budget_s=budget_s)  # fmt: skip
+    patience = train_cfg.early_stopping_patience if "early_stopping_patience" in keep else BUDGET_PATIENCE
+    cfg = dataclasses.replace(train_cfg, log_every=log_every, schedule="wsd", eval_every=0, keep_best=True,
+                              eval_every_s=budget_s / BUDGET_EVALS, time_budget_s=budget_s,
+                              early_stopping_patience=patience)  # fmt: skip
     guess = None if step_s is None else int(2 * budget_s / step_s)
     return cfg, {"first_guess": guess}
 
@@ -297,18 +316,6 @@ def run_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     resumed = args.resume and (run_dir / RUN_FILE).is_file()
-    check_attention_backend(model_cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(train_cfg.seed)
-    model = GPT(model_cfg)
-    step_s = None  # seconds per step, when the thread probe measured it
-    if data_cfg.cpu_threads is not None:
-        torch.set_num_threads(data_cfg.cpu_threads)
-    elif world_size == 1 and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        threads, timings = pick_cpu_threads(model, train_cfg.micro_batch, data_cfg.seq_len, model_cfg.vocab_size)
-        torch.set_num_threads(threads)
-        step_s = timings[threads]
-        print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
-              + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
     # Size the schedule to the budget while training, unless steps or the schedule are set explicitly. A resumed
     # run keeps what it started with (run.json), its plan restored from the checkpoint.
     if resumed:
@@ -319,6 +326,23 @@ def run_train(args: argparse.Namespace) -> int:
             and args.max_steps is None
             and not ({"max_steps", "t_max", "schedule", "wsd_decay_steps"} & set_keys)
         )
+    check_attention_backend(model_cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(train_cfg.seed)
+    model = GPT(model_cfg)
+    step_s = None  # seconds per step, when a probe measured it
+    on_cpu = world_size == 1 and not torch.cuda.is_available()
+    if data_cfg.cpu_threads is not None:
+        torch.set_num_threads(data_cfg.cpu_threads)
+    elif on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        threads, timings = pick_cpu_threads(model, train_cfg.micro_batch, data_cfg.seq_len, model_cfg.vocab_size)
+        torch.set_num_threads(threads)
+        step_s = timings[threads]
+        print(f"lmtrain: {threads} CPU thread(s) (s/step measured: "
+              + ", ".join(f"{n} thread(s) {t:.3f}" for n, t in timings.items()) + ")", flush=True)  # fmt: skip
+    if budgeted and not resumed and on_cpu and step_s is None:  # the planner needs the speed: time the threads set
+        threads = torch.get_num_threads()
+        _, timings = pick_cpu_threads(model, train_cfg.micro_batch, data_cfg.seq_len, model_cfg.vocab_size, (threads,))
+        step_s = timings[threads]
     if resumed and (saved_world := int(read_run(args.out).get("world_size", world_size))) != world_size:
         saved = read_run(args.out)["train_config"]
         rows = int(saved["micro_batch"]) * int(saved["grad_accum"]) * saved_world
@@ -326,10 +350,29 @@ def run_train(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"lmtrain: resuming a run of {saved_world} rank(s) on {world_size}: {note}", flush=True)
     schedule_kwargs: dict[str, Any] = {}
+    plan: dict[str, Any] | None = None
     if budgeted and not resumed:
         # The budget counts from the command's start: setup and the thread probe are charged to it.
         remaining = max(1.0, args.time_budget - (time.perf_counter() - t_start))
-        train_cfg, schedule_kwargs = budget_plan(train_cfg, remaining, step_s)
+        train_cfg, schedule_kwargs = budget_plan(train_cfg, remaining, step_s, set_keys)
+        # What the budget buys against the size of the data decides the regularisation (lmtrain.planner).
+        if step_s is None:
+            plan = {"note": "no measured step time (GPU or several ranks): regularisation as configured"}
+        elif args.model_config:
+            plan = {"note": "a --model-config file: regularisation as configured"}
+        else:
+            rows = train_cfg.micro_batch * train_cfg.grad_accum * world_size
+            budget_tokens = rows * data_cfg.seq_len * remaining / step_s
+            planned_model, train_cfg, note = plan_regularisation(
+                train_data.n_tokens, budget_tokens, model_cfg, train_cfg, keep=set_keys
+            )
+            plan = {"passes": training_passes(train_data.n_tokens, budget_tokens), "note": note}
+            if planned_model != model_cfg:
+                model_cfg = planned_model
+                torch.manual_seed(train_cfg.seed)
+                model = GPT(model_cfg)
+        if rank == 0:
+            print(f"lmtrain: plan: {plan['note']}", flush=True)
     if rank == 0:
         shutil.copyfile(meta["tokenizer_path"], run_dir / TOKENIZER_FILE)
         if resumed:
@@ -344,6 +387,7 @@ def run_train(args: argparse.Namespace) -> int:
                     "data": str(Path(args.data).resolve()),
                     "recipe": recipe,
                     "schedule": "budget" if budgeted else "config",
+                    "plan": plan,
                     "model_config": model_cfg.to_dict(),
                     "train_config": train_cfg.to_dict(),
                     "data_config": dataclasses.asdict(data_cfg),
