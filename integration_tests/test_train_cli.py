@@ -22,6 +22,7 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     assert info["plan"]["passes"] > 1 and "lmtrain: plan: the budget buys about" in result.stdout
     assert (info["model_config"]["dropout"], info["train_config"]["weight_decay"]) == (dropout, weight_decay)
     assert info["train_config"]["early_stopping_patience"] > 0
+    assert f"stopped: {summary['stopped'] or 'planned end'} at step {summary['step']}, best at step" in result.stdout
     plans = info["budget_plan"]
     assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans) and len(plans) == 2
     assert result.stdout.count("re-planned at step") == 2 and result.stdout.count("torch engine") == 1  # one fit()

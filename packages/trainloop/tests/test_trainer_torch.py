@@ -297,12 +297,13 @@ def test_best_checkpoint_is_kept_when_the_loss_rises(tmp_path):
     assert min(evals, key=lambda e: e["eval_loss"])["step"] == 6
 
 
-def test_early_stopping_fires_after_patience_and_not_before(tmp_path):
+def test_early_stopping_fires_after_patience_and_not_before(tmp_path, capsys):
     torch.manual_seed(0)
     cfg = _cfg(max_steps=30, eval_every=2, early_stopping_patience=3)
     out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path, eval_data=Harder(easy=2)).fit()
     # Best at the 2nd evaluation (step 4); the 3rd, 4th and 5th do not improve: stop at step 10.
     assert out["stopped"] == "early_stopping" and out["step"] == 10 and out["best"]["step"] == 4
+    assert "stopped: early_stopping at step 10, best at step 4 (eval loss" in capsys.readouterr().out
     torch.manual_seed(0)
     patient = _cfg(max_steps=30, eval_every=2, early_stopping_patience=4)
     out = Trainer(TinyLM(), patient, SeqData(4), run_dir=tmp_path / "p", eval_data=Harder(easy=2)).fit()

@@ -447,6 +447,8 @@ class Trainer:
             wall_s=time.perf_counter() - wall_t0,
         )
         del summary["eval_step"]
+        best = f", best at step {self.best[0]} (eval loss {self.best[1]:.4f})" if self.best else ""
+        self._say(f"stopped: {summary['stopped'] or 'planned end'} at step {self.step}{best}")
         return summary
 
     def _start_fresh(self, overwrite: bool) -> None:
