@@ -25,7 +25,10 @@ def evaluate(
     bytes per token, bits per byte ``loss / ln 2 / bytes_per_token``.
 
     Batches are weighted by their count of scored targets (labels other than -100). With several ranks the sums are
-    all-reduced, so ranks may evaluate different shards or the same data.
+    all-reduced, so ranks may evaluate different shards or the same data. With two batches or more, ``loss_se`` is
+    the standard error of the loss estimated from the spread of the batches' mean losses (std / sqrt(batches)):
+    how far the figure may move on another subset of the same size, the yardstick for ranking checkpoints by it
+    (two checkpoints scored on the same subset differ by less noise than that).
 
     ``stop`` (e.g. "a signal arrived") is asked before every batch; when it says yes on any rank, every rank stops
     at the same batch and the evaluation returns None. With several ranks that agreement costs one small all-reduce
@@ -38,11 +41,12 @@ def evaluate(
         >>> split = lambda: [(x[:16], y[:16]), (x[16:], y[16:])]
         >>> result = evaluate(lambda x, y: torch.nn.functional.mse_loss(model(x), y), model, split, bytes_per_token=2.0)
         >>> {k: round(v, 4) for k, v in result.items()}, model.training
-        ({'loss': 0.01, 'ppl': 1.0101, 'tokens': 32.0, 'bpb': 0.0072}, True)
+        ({'loss': 0.01, 'ppl': 1.0101, 'tokens': 32.0, 'loss_se': 0.0, 'bpb': 0.0072}, True)
     """
     was_training = module.training
     module.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    # sums of: loss x targets, targets, batches, batch losses, squared batch losses
+    total = torch.zeros(5, dtype=torch.float64)
     agree = stop is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     i = 0
     try:
@@ -65,16 +69,20 @@ def evaluate(
                 inputs, targets = batch[0].to(device), batch[1].to(device)
                 loss = forward(inputs, targets)
                 n = float((targets != -100).sum())
-                total += torch.tensor([float(loss) * n, n], dtype=torch.float64)
+                value = float(loss)
+                total += torch.tensor([value * n, n, 1.0, value, value * value], dtype=torch.float64)
                 i += 1
     finally:
         module.train(was_training)
     total = all_reduce_sum(total)
-    loss_sum, n = total.tolist()
+    loss_sum, n, n_batches, batch_sum, batch_squares = total.tolist()
     if n == 0:
         raise ValueError("eval_data yielded no scored tokens")
     loss = loss_sum / n
     out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": n}
+    if n_batches >= 2:
+        variance = max(0.0, (batch_squares - batch_sum * batch_sum / n_batches) / (n_batches - 1))
+        out["loss_se"] = math.sqrt(variance / n_batches)
     if bytes_per_token:
         out["bpb"] = loss / math.log(2) / bytes_per_token
     return out
