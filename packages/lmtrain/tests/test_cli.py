@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -13,6 +14,17 @@ def test_train_flags_parse():
     )  # fmt: skip
     assert args.overrides == ["log_every=1", "save_every=10"]
     assert (args.max_steps, args.time_budget, args.resume, args.gpumon) == (5, 30.0, True, True)
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "eval", "generate", "export", "doctor", "demo"])
+def test_every_command_takes_no_progress(command, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    assert "--no-progress" in capsys.readouterr().out
+    # The flag becomes TQDM_DISABLE, which tqdm reads in every package (and trainloop's loop), before the command runs.
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    main(["eval", "--run", str(tmp_path / "none"), "--text", "t", "--no-progress"])
+    assert os.environ["TQDM_DISABLE"] == "1"
 
 
 def test_preset_and_model_config_are_exclusive(capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 from collections.abc import Sequence
 
@@ -260,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_export, _add_doctor, _add_demo):
         add(sub)
+    for command in sub.choices.values():
+        command.add_argument(
+            "--no-progress", action="store_true", help="no progress bars, plain log lines (the same as TQDM_DISABLE=1)"
+        )
     return parser
 
 
@@ -267,9 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lmtrain` command; returns the process exit status."""
     args = build_parser().parse_args(argv)
     if args.launcher_local_rank is not None:
-        import os
-
         os.environ.setdefault("LOCAL_RANK", str(args.launcher_local_rank))
+    if args.no_progress:  # tqdm reads it in every package, trainloop's loop too
+        os.environ["TQDM_DISABLE"] = "1"
     # Lazy imports: each subcommand pulls in only what it needs.
     if args.command == "prepare":
         from lmtrain.prepare_data import run_prepare as run

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("file", metavar="FILE.bin|DIR")
     v.add_argument("--tokenizer", default=None, metavar="MODEL")
     for s in (t, e, v):
-        s.add_argument("--quiet", action="store_true", help="no progress bars or library logs")
+        s.add_argument("--quiet", "--no-progress", action="store_true", help="no progress bars or library logs")
     return p
 
 
