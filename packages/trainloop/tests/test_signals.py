@@ -77,6 +77,7 @@ def test_sigterm_to_one_rank_during_the_final_evaluation(tmp_path):
     os.kill(pid, signal.SIGTERM)
     assert run.finish(timeout=120) == 0, run.output()[-4000:]
     summaries = _summaries(run)
+    assert set(summaries) == {0, 1}, run.output()[-4000:]
     assert summaries[0]["eval"] is None and summaries[1]["eval"] is None
     assert summaries[0]["step"] == summaries[1]["step"] == 3
     assert verify_checkpoint(CheckpointStore(tmp_path).step_dir(3), verify="full") is None

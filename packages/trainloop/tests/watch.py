@@ -14,10 +14,15 @@ from launch import env
 
 class Watched:
     def __init__(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
+        # stdout and stderr apart: C++ code (gloo, torch) writes its warnings to stderr in several pieces, which on a
+        # shared pipe can land in the middle of a line that the Python side wrote whole.
+        self.proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []  # stdout
+        self.err_lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._err_reader = threading.Thread(target=lambda: self.err_lines.extend(self.proc.stderr), daemon=True)
         self._reader.start()
+        self._err_reader.start()
 
     def wait_for(self, needle: str, timeout: float = 240, *, start: bool = False) -> str:
         """The first line holding ``needle`` (beginning with it when ``start``); kills the tree if none comes."""
@@ -41,6 +46,7 @@ class Watched:
             self._reader.join(timeout=10)
             raise AssertionError(f"still running {timeout} s later:\n{self.output()[-4000:]}") from None
         self._reader.join(timeout=30)
+        self._err_reader.join(timeout=30)
         return code
 
     def kill(self) -> None:
@@ -55,4 +61,5 @@ class Watched:
         self.proc.wait()
 
     def output(self) -> str:
-        return "".join(self.lines)
+        """stdout, then stderr."""
+        return "".join(self.lines) + "".join(self.err_lines)
