@@ -96,13 +96,13 @@ def torchrun_argv(nnodes, nproc, endpoint, run_id, data, out, *extra, restarts=3
 def test_dry_run_prints_each_node_command(kit, tmp_path):
     launch, recorded, _ = kit
     hf = hostfile(tmp_path, "node1 slots=4\nnode2 slots=4\n")
-    result = launch("--data", "/shared/data", "--out", "/shared/runs/xl", "--hostfile", hf, "--dry-run")
+    result = launch("--data", "/mnt/nfs/data", "--out", "/mnt/nfs/runs/xl", "--hostfile", hf, "--dry-run")
     assert result.returncode == 0, result.stderr
     command = (
         f"cd {REPO} && export LMTRAIN_HOSTFILE={hf} MASTER_ADDR=node1 MASTER_PORT=29500 && source {KIT}/env.sh && "
         "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 --rdzv-id=xl "
-        "--rdzv-conf=join_timeout=900 --max-restarts=3 --monitor-interval=5 -m lmtrain train --data /shared/data "
-        f"--out /shared/runs/xl --model-config {KIT}/config.json --deepspeed {KIT}/ds_config.json --resume"
+        "--rdzv-conf=join_timeout=900 --max-restarts=3 --monitor-interval=5 -m lmtrain train --data /mnt/nfs/data "
+        f"--out /mnt/nfs/runs/xl --model-config {KIT}/config.json --deepspeed {KIT}/ds_config.json --resume"
     )
     assert result.stdout.splitlines() == [
         "# 2 nodes x 4 processes, rendezvous node1:29500 (c10d), run id 'xl'",
