@@ -8,6 +8,7 @@ is byte-identical for any worker count and piece size. A shard directory resumes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import threading
@@ -65,6 +66,25 @@ def _init_worker(model_proto: bytes, opts: DocOptions, dtype: str, parent: int) 
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
+def _heap_trimmer():
+    """glibc's malloc_trim(0), or a no-op elsewhere.
+
+    Encoding a piece allocates and frees arrays of every size; glibc keeps the freed heap and, as its mmap threshold
+    rises, serves later large arrays from it too, so a process that encodes gigabytes grows by fragmentation
+    (measured: a worker 58 -> 73 MB over 600 MB of text, still rising). Trimming after each piece keeps it flat
+    (56-58 MB) at no measurable cost (about one call per megabyte of text).
+    """
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+_trim_heap = _heap_trimmer()
+
+
 def _exit_with_parent(parent: int) -> None:
     # a parent killed by SIGKILL cannot stop its pool: each worker leaves on its own once it is orphaned
     while os.getppid() == parent:
@@ -73,14 +93,18 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _encode_in_worker(piece: Piece) -> PieceResult:
-    return encode_piece(_WORKER["sp"], piece, _WORKER["opts"], _WORKER["dtype"])
+    result = encode_piece(_WORKER["sp"], piece, _WORKER["opts"], _WORKER["dtype"])
+    _trim_heap()
+    return result
 
 
 def _encoded(pieces: Iterator[Piece], sp, opts: DocOptions, dtype: np.dtype, workers: int):
     """(piece, result) in input order; with several workers at most 2 pieces per worker are in flight."""
     if workers == 1:
         for piece in pieces:
-            yield piece, encode_piece(sp, piece, opts, dtype)
+            result = encode_piece(sp, piece, opts, dtype)
+            _trim_heap()
+            yield piece, result
         return
     # fork where there is one: spawn would re-import the caller's main module, which breaks scripts without a
     # `__main__` guard; the children run only SentencePiece and numpy, no lock a parent thread could hold
