@@ -224,8 +224,10 @@ def main() -> None:
     print(f"encode_mb_per_s_{args.workers}_workers: {small_bytes / 1e6 / every['s']:.2f}")
     print(f"encode_workers_speedup: {one['s'] / every['s']:.2f}")
     capacity = args.workers * one["s"] / apart
-    print(f"machine_parallel_capacity: {capacity:.2f}  ({args.workers} independent 1-worker encodes side by side: "
-          f"{apart:.1f} s for {args.workers}x the work of {one['s']:.1f} s; {args.workers}.00 on idle, unshared cores)")
+    print(
+        f"machine_parallel_capacity: {capacity:.2f}  ({args.workers} independent 1-worker encodes side by side: "
+        f"{apart:.1f} s for {args.workers}x the work of {one['s']:.1f} s; {args.workers}.00 on idle, unshared cores)"
+    )
     print(f"encode_workers_efficiency: {one['s'] / every['s'] / capacity:.2f}  (speedup / capacity)")
     if prep is not None:
         print(f"prepare_peak_rss_mb: {prep['tree_mb']:.0f}")
