@@ -127,9 +127,11 @@ def test_record_without_command_stops_on_sigterm_and_finishes_the_file(tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpumon", "record", "--host", "-o", str(out)], stderr=subprocess.PIPE, text=True
     )
-    deadline = time.monotonic() + 30
-    # rows reach the disk with the first flush, a second after the start (and the handler install)
-    while (not out.exists() or out.read_text().count("\n") < 3) and time.monotonic() < deadline:
+    # Rows reach the disk with the first flush, a second after the start and after the handler is installed: the
+    # signal goes only once they are there, however slowly a loaded machine starts the command.
+    deadline = time.monotonic() + 300
+    while not out.exists() or out.read_text().count("\n") < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, f"no rows in {out}: {proc.stderr.read()}"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)

@@ -72,7 +72,8 @@ def test_every_value_type_drivers_report_is_decoded(monkeypatch, member, expecte
 
 
 def test_all_three_readings_cost_one_call_per_tick(monkeypatch):
-    fake = install(monkeypatch, gpu())
+    # A clock that stands still: the simulated power and energy depend only on it, not on how long the test takes.
+    fake = install(monkeypatch, gpu(), clock=ManualClock())
     backend = NVMLBackend()
     (power,) = [p for p in backend.pollers if p.name == "gpu0.power"]
     assert backend.device_info[0]["sources"] == {

@@ -178,7 +178,7 @@ def test_a_blocking_poller_read_at_every_tick_runs_in_its_own_thread():
     blocking = Poller("slow", "slow", ["slow.n"], ["count"], 0.0, read, blocking=True)
     reader = Reader([blocking], rate_hz=200)
     reader.start(on_batch=lambda: None)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a bound for a stuck thread, far above what even a loaded machine needs
     while len(threads) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     reader.stop(timeout=5.0)

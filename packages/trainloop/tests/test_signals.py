@@ -52,8 +52,9 @@ def test_sigterm_to_one_rank_of_two_stops_both_at_the_same_step(tmp_path):
     args = {"run_dir": str(tmp_path), "max_steps": 100000, "t_max": 1000}
     run = _start(args, nproc=2)
     pid = int(run.wait_for("PID 1 ", start=True).split()[2])
-    run.wait_for("[trainloop", start=True)  # training has started: the step lines are rank 0's
-    time.sleep(1.0)
+    # Rank 0 prints a step's line only after that step's all-reduce, which rank 1 enters after installing its signal
+    # handlers: from this line on, rank 1 handles SIGTERM however far behind rank 0 a loaded machine keeps it.
+    run.wait_for("] step 2 |")
     signalled = time.monotonic()
     os.kill(pid, signal.SIGTERM)  # rank 1 only: torchrun and rank 0 never see it
     assert run.finish(timeout=120) == 0, run.output()[-4000:]

@@ -300,6 +300,7 @@ def run_train(args: argparse.Namespace) -> int:
     from lmcore import GPT, n_params
     from trainloop import CheckpointError, CollectiveError, ConfigError, Trainer, plot_metrics
     from trainloop.budget import BudgetSchedule
+    from trainloop.distributed import teardown_distributed
 
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
@@ -447,6 +448,7 @@ def run_train(args: argparse.Namespace) -> int:
         ) from exc
     finally:
         loader.close()
+        teardown_distributed()  # before the interpreter's own teardown, where gloo's threads can abort the process
         if monitor is not None:
             monitor.__exit__(None, None, None)
             print(f"gpumon ({monitor.out}):\n{monitor.summary()}", flush=True)

@@ -1,9 +1,14 @@
-"""Process-group setup with a collective timeout, so a dead rank makes the others fail instead of hanging."""
+"""Process-group setup with a collective timeout, so a dead rank makes the others fail instead of hanging, and its
+teardown before the interpreter exits."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +24,9 @@ def env_world() -> tuple[int, int, int]:
 def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.device]:
     """Initialise the process group when launched with more than one rank; returns (rank, world_size, device).
 
-    gloo on CPU, nccl on CUDA. DeepSpeed runs also need its communication layer initialised, even alone.
+    gloo on CPU, nccl on CUDA. DeepSpeed runs also need its communication layer initialised, even alone. A group
+    set up here is destroyed by :func:`teardown_distributed`, which also runs at exit (see there); a group the
+    caller initialised before is left to the caller.
     """
     rank, local_rank, world = env_world()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -37,12 +44,45 @@ def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.de
             os.environ.setdefault("WORLD_SIZE", "1")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        initialised = dist.is_initialized()
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+        _own(not initialised)
     elif world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
+        _own(True)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world, device
+
+
+_owned = False  # whether setup_distributed initialised the default process group (and so must destroy it)
+_atexit_registered = False
+
+
+def _own(initialised_here: bool) -> None:
+    global _owned, _atexit_registered
+    if not initialised_here or not dist.is_initialized():
+        return
+    _owned = True
+    if not _atexit_registered:
+        atexit.register(teardown_distributed)
+        _atexit_registered = True
+
+
+def teardown_distributed() -> None:
+    """Destroy the process group that :func:`setup_distributed` initialised; a no-op otherwise, and when called twice.
+
+    It first waits until no collective's worker thread still holds one of trainloop's buffers (see ``_BUFFERS``),
+    so that nothing is left for a worker to free while the interpreter finalises. ``Trainer.close()`` calls this;
+    it is also registered with ``atexit`` (which runs while the interpreter is still whole) for scripts that never
+    close their Trainer. The gloo threads themselves may outlive it: a DistributedDataParallel wrapper keeps its
+    group alive in C++ after the group is destroyed, and they end with the process.
+    """
+    global _owned
+    if _owned and dist.is_available() and dist.is_initialized():
+        _release_buffers()
+        dist.destroy_process_group()
+    _owned = False
 
 
 def _free_port() -> int:
@@ -58,13 +98,57 @@ def barrier() -> None:
         dist.barrier()
 
 
+# Every tensor trainloop hands to a collective is one of these buffers, kept for the life of the process. A gloo
+# worker thread lets go of a finished collective's tensors a moment after the caller's wait() returned; when the
+# caller's own tensor was a temporary, that last release frees the Python object behind it and needs the GIL, and
+# if the interpreter is finalising by then (a loaded machine can hold the thread back that long), the process
+# aborts ("terminate called without an active exception"). Buffers that outlive every collective are never freed
+# by a worker; teardown_distributed waits until no worker holds one.
+_BUFFERS: dict[tuple[torch.dtype, int, str], torch.Tensor] = {}
+_CHUNK = 1 << 16  # bytes per collective when broadcast_json moves a document
+_RELEASE_WAIT_S = 60.0  # teardown's bound on waiting for the workers to let go of the buffers
+
+
+def _buffer(dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+    key = (dtype, numel, str(device))
+    if key not in _BUFFERS:
+        _BUFFERS[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return _BUFFERS[key]
+
+
+def _release_buffers() -> None:
+    """Wait (bounded) until no collective's worker still holds one of the buffers; the wait sleeps, so it never
+    holds the GIL a worker may need."""
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    while any(b._use_count() > 1 for b in _BUFFERS.values()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum a small host tensor over ranks (moved through the GPU when the backend is nccl, which has no CPU path)."""
+    """Sum a small host tensor over ranks, in place (moved through the GPU when the backend is nccl, which has no
+    CPU path); returns it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    if dist.get_backend() == "nccl":
-        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_gpu)
-        return on_gpu.cpu()
-    dist.all_reduce(t)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    buf = _buffer(t.dtype, t.numel(), device)
+    buf.copy_(t.reshape(-1))
+    dist.all_reduce(buf)
+    t.copy_(buf.view(t.shape))
     return t
+
+
+def broadcast_json(obj: Any, src: int = 0) -> Any:
+    """``obj`` as rank ``src`` has it, on every rank: sent as JSON (no pickle), through all_reduce_sum's buffers."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    mine = dist.get_rank() == src
+    payload = json.dumps(obj).encode() if mine else b""
+    n = int(all_reduce_sum(torch.tensor([len(payload) if mine else 0], dtype=torch.int64))[0])
+    received = bytearray()
+    for start in range(0, n, _CHUNK):
+        size = min(_CHUNK, n - start)
+        chunk = torch.zeros(size, dtype=torch.uint8)
+        if mine:
+            chunk.copy_(torch.frombuffer(bytearray(payload[start : start + size]), dtype=torch.uint8))
+        received += bytes(all_reduce_sum(chunk).numpy())
+    return obj if mine else json.loads(received.decode())

@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from trainloop.checkpoint import CheckpointError, CheckpointStore, load_torch, rng_state, save_torch, set_rng_state
 from trainloop.clipping import ClipGroups
 from trainloop.config import ConfigError, TrainConfig
-from trainloop.distributed import all_reduce_sum, barrier, setup_distributed
+from trainloop.distributed import all_reduce_sum, barrier, broadcast_json, setup_distributed, teardown_distributed
 from trainloop.engine import Engine, set_lr
 from trainloop.engine_torch import TorchEngine
 from trainloop.evaluation import evaluate
@@ -142,6 +141,18 @@ class Trainer:
         self._clock = clock
         self._fit_t0 = clock()
 
+    def close(self) -> None:
+        """Destroy the process group this Trainer set up (a no-op for one the caller initialised, or when called
+        twice). Call it, or use the Trainer in a ``with`` block, once the run's collectives are over; a script that
+        never does gets the same at exit (:func:`trainloop.distributed.teardown_distributed`)."""
+        teardown_distributed()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ----------------------------------------------------------------------------------------------- helpers
     def _say(self, msg: str, bar: Any = None) -> None:
         """One timestamped line on rank 0 (through the progress bar's own write when a bar is showing)."""
@@ -218,12 +229,11 @@ class Trainer:
 
     def _find_resumable(self, verify: str) -> tuple[Path | None, list[tuple[Path, str]]]:
         """Rank 0 checks the checkpoints and every rank loads its choice."""
-        found = self.store.find_resumable(verify) if self.is_main else None
+        ckpt, skipped = self.store.find_resumable(verify) if self.is_main else (None, [])
         if self.world_size > 1:
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        return found
+            sent = broadcast_json([None if ckpt is None else str(ckpt), [[str(p), why] for p, why in skipped]])
+            ckpt, skipped = (None if sent[0] is None else Path(sent[0])), [(Path(p), why) for p, why in sent[1]]
+        return ckpt, skipped
 
     def load_checkpoint(self, ckpt: Path) -> None:
         """Restore everything a checkpoint holds; tensors land on this rank's device.
