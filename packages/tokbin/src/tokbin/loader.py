@@ -165,7 +165,8 @@ class Loader:
         # after the next group's windows are drawn, so the hand-off comes right before the next copies: the consumer
         # it wakes then finds the GIL free (numpy drops it while copying) instead of waiting for the producer's
         # Python. A sampler error comes after the batches drawn before it.
-        step, ready = first_step, None
+        step = first_step
+        ready: list[tuple[torch.Tensor, torch.Tensor]] = []
         while True:
             specs: list[tuple[np.ndarray, int]] = []
             failure: Exception | None = None
