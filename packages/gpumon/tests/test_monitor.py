@@ -99,6 +99,18 @@ def test_bad_arguments_name_the_field(kwargs, field):
         gpumon.Monitor(**kwargs)
 
 
+@pytest.mark.parametrize(("periods", "field"), [({"memory": None}, "memory"), ({"host.cpu": None}, "cpu")])
+def test_a_period_of_none_is_for_utilization_only(fake, periods, field):
+    # None stands for the device's own refresh window, which only utilization has; elsewhere it used to reach
+    # Poller and fail there with a TypeError
+    mon = gpumon.Monitor(rate_hz=100, periods=periods)
+    try:
+        with pytest.raises(ValueError, match=rf"periods\['{field}'\] must be >= 0 seconds, got None"):
+            mon.start()
+    finally:
+        mon.stop()
+
+
 def test_mark_and_stop_never_raise():
     mon = gpumon.Monitor(backend="host")
     mon.mark("before start", object())

@@ -44,6 +44,16 @@ def test_exact_resume_from_state(kind):
     assert _same(_take(resumed, 123), full[77:])
 
 
+@pytest.mark.parametrize("kind", FACTORIES)
+def test_negative_step_is_a_value_error(kind):
+    # a fresh sampler marks "nothing drawn yet" as chunk (or epoch) -1, where step -1 used to fail on None
+    sampler = FACTORIES[kind](seed=0)
+    for _ in range(2):  # fresh, then after a batch
+        with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+            sampler.batch(-1)
+        sampler.batch(0)
+
+
 def test_resume_rejects_other_configuration():
     state = RandomWindows(10_000, 32, 8, seed=0).state_dict()
     with pytest.raises(ValueError, match="seq_len is 32, this sampler has 64"):

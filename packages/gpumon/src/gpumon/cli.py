@@ -248,7 +248,8 @@ def cmd_record(args: argparse.Namespace, command: list[str]) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pid = None if child is None else child.pid
-        mon: Monitor | None = Monitor(args.rate, out, "host" if args.host else "auto", pid=pid, if_exists=if_exists)
+        mon: Monitor | None
+        mon = Monitor(args.rate, out, "host" if args.host else "auto", pid=pid, if_exists=if_exists)
         try:
             mon.start()
         except Exception as exc:  # the command must still run to completion and keep its exit code

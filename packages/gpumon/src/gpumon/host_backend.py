@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 
 import psutil
 
@@ -67,11 +68,19 @@ class HostBackend:
 
     name = "host"
 
-    def __init__(self, pid: int | None = None, periods: dict[str, float] | None = None) -> None:
+    def __init__(self, pid: int | None = None, periods: Mapping[str, float | None] | None = None) -> None:
         unknown = sorted(set(periods or {}) - set(DEFAULT_PERIODS))
         if unknown:
             raise ValueError(f"periods: unknown host metric group(s) {unknown}; allowed: {sorted(DEFAULT_PERIODS)}")
-        self.periods = {**DEFAULT_PERIODS, **(periods or {})}
+        # Monitor passes its "host.*" periods here, from a mapping where None is allowed for NVML's utilization
+        self.periods: dict[str, float] = {}
+        for key, value in {**DEFAULT_PERIODS, **(periods or {})}.items():
+            if value is None:
+                raise ValueError(
+                    f"host periods[{key!r}] must be >= 0 seconds, got None (None, a GPU's own refresh window, is for "
+                    "NVML's 'utilization' only)"
+                )
+            self.periods[key] = value
         self.pid = os.getpid() if pid is None else pid
         try:
             self.root = psutil.Process(self.pid)

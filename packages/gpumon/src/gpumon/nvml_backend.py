@@ -58,8 +58,14 @@ class NVMLBackend:
             raise ValueError(f"periods: unknown metric group(s) {unknown}; allowed: {sorted(DEFAULT_PERIODS)}")
         self.periods = {**DEFAULT_PERIODS, **(periods or {})}
         for key, value in self.periods.items():
+            if value is None and key != "utilization":
+                raise ValueError(
+                    f"periods[{key!r}] must be >= 0 seconds, got None (None, the device's own refresh window, is for "
+                    "'utilization' only)"
+                )
             if value is not None and value < 0:
-                raise ValueError(f"periods[{key!r}] must be >= 0 seconds or None, got {value}")
+                allowed = ">= 0 seconds or None" if key == "utilization" else ">= 0 seconds"
+                raise ValueError(f"periods[{key!r}] must be {allowed}, got {value}")
         self.nvml: ModuleType = load_nvml()
         self._open = True
         try:
@@ -135,13 +141,13 @@ class NVMLBackend:
             util_period = self.utilization_window_s(h)
 
         def poller(name: str, columns: list[str], units: list[str], read: Any, **extra: Any) -> Poller:
-            p = period[name]
+            p = period[name]  # None only for utilization (checked in __init__)
             return Poller(
                 f"{g}.{name}",
                 g,
                 columns,
                 units,
-                util_period if name == "utilization" else p,
+                util_period if p is None else p,
                 read,
                 classify=self.classify,
                 **extra,

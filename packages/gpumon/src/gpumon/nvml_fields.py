@@ -47,7 +47,9 @@ def power_columns(nvml: ModuleType, group: str, compute_capability: str | None) 
         instant_call, average_call = (None, usage) if averaged else (usage, None)
 
     def call(name: str | None) -> tuple[Callable[[Any], Any] | None, str]:
-        fn = getattr(nvml, name, None) if name else None
+        if not name:
+            return None, ""
+        fn = getattr(nvml, name, None)
         return (fn, name) if fn is not None else (None, "")
 
     return [
@@ -131,7 +133,8 @@ class FieldReader:
 
     def read(self) -> list[Any]:
         """One value per column (an NVMLError instance where that field failed; None once a column is dropped)."""
-        nvml, out = self.nvml, [None] * len(self.columns)
+        nvml = self.nvml
+        out: list[Any] = [None] * len(self.columns)
         if self._ids:
             try:
                 values = nvml.nvmlDeviceGetFieldValues(self.handle, self._ids)

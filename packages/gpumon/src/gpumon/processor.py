@@ -175,7 +175,7 @@ class Processor:
         """Ticks, achieved rate so far and errors counted, `queued` ticks included (no percentiles: cheap)."""
         b = self.builder
         ticks = b.ticks + len(queued)
-        first = b.first_t if b.ticks else (queued[0].t if queued else 0.0)
+        first = b.first_t if b.first_t is not None else (queued[0].t if queued else 0.0)
         last = queued[-1].t if queued else (b.last_t or 0.0)
         rate = (ticks - 1) / (last - first) if ticks > 1 and last > first else 0.0
         return {"ticks": ticks, "achieved_rate_hz": rate, "errors": sum(b.errors.values())}

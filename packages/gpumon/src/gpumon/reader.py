@@ -162,9 +162,9 @@ class Reader:
         ticked = TickReads(t, [])
         reads = ticked.reads
         while self._slow_results:
-            i, values = self._slow_results.popleft()
-            reads.append((i, values))
-            ticked.failed = ticked.failed or any(isinstance(v, BaseException) for v in values)
+            i, slow = self._slow_results.popleft()
+            reads.append((i, slow))
+            ticked.failed = ticked.failed or any(isinstance(v, BaseException) for v in slow)
         lost_now: set[str] | None = None  # a device lost at this tick is not read again in it
         next_due = self._next_due
         early = t + 0.5 * self.period  # a poller due within half a tick from now is read at this tick

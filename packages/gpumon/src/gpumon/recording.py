@@ -34,7 +34,7 @@ import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 MAGIC = "# gpumon 1 "
 TRAILER = "# end "
@@ -112,6 +112,7 @@ class RecordingWriter:
         self._previous: dict[str, Any] = {}  # the totals in the trailer of the runs already in the file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         existing = self.path.is_file() and self.path.stat().st_size > 0
+        self._file: IO[str]
         if existing and if_exists == "error":
             raise RecordingExistsError(
                 f"{self.path}: a recording exists already; choose a new file (gpumon.recording_path() numbers "
@@ -130,7 +131,7 @@ class RecordingWriter:
         self._line_csv = csv.writer(self._line, lineterminator="\n")  # marks and errors: labels are arbitrary text
         self._file.flush()
 
-    def _open_for_append(self, columns: list[str], meta: dict[str, Any]) -> io.TextIOWrapper:
+    def _open_for_append(self, columns: list[str], meta: dict[str, Any]) -> IO[str]:
         earlier = Recording(self.path)
         if earlier.columns != columns:
             missing = sorted(set(earlier.columns) ^ set(columns)) or "their order"
@@ -316,9 +317,10 @@ class Recording:
                         last[c] = float(cell)
                     except ValueError:
                         continue
-                if last[c] is not None:
+                held = last[c]
+                if held is not None:
                     out[c][0].append(t)
-                    out[c][1].append(last[c])
+                    out[c][1].append(held)
         return out
 
 

@@ -53,17 +53,18 @@ def summarize_recording(path: str | os.PathLike[str]) -> Summary:
             continue
         builder.add_tick(t)
         for i, cell in enumerate(cells):
-            if cell == MISSING or stats[i] is None:
+            stat = stats[i]
+            if cell == MISSING or stat is None:
                 continue
             column = rec.columns[i]
             if cell == FAILED:
                 text, failure = message.get(column, ("read failed", "error"))
                 builder.add_error(column, text, failure)
             elif cell == STALE:
-                stats[i].add_stale(t, last[i])
+                stat.add_stale(t, last[i])
             else:
                 last[i] = parse_cell(cell)
-                stats[i].add(t, last[i], True)
+                stat.add(t, last[i], True)
     trailer = rec.trailer or {}
     return builder.finish(busy_s=trailer.get("busy_s"), cpu_s=trailer.get("cpu_s"))
 
@@ -98,6 +99,7 @@ def render_summary(s: Summary) -> str:
     for name, m in s.metrics.items():
         unit = m["unit"]
         shown = DISPLAY.get(unit, (unit, 1))[0]
+        cells: tuple[str, ...]
         if m.get("increase") is not None:  # a counter: its peak is meaningless, its increase is the point
             cells = ("-", "-", "-", "-", "-", _fmt(m["increase"], unit) + " total")
         else:

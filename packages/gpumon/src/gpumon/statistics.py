@@ -123,8 +123,13 @@ class MetricStats:
     def __init__(self, unit: str, counter: bool = False, capacity: int = RESERVOIR_SIZE) -> None:
         self.unit, self.counter = unit, counter
         self.reads = self.fresh = self.errors = 0
-        self.peak = self.low = self.prev_v = self.last = None
-        self.peak_t = self.first_t = self.prev_t = None
+        self.last: Any = None  # the last reading, numeric or not
+        self.peak: float | None = None
+        self.low: float | None = None
+        self.peak_t: float | None = None
+        self.first_t: float | None = None
+        self.prev_t: float | None = None  # time of the last numeric reading, None before the first
+        self.prev_v = 0.0  # its value: read only once prev_t is set
         self.weighted = self.span = self.increase = 0.0
         self.tail_t = -math.inf
         self.reservoir = Reservoir(capacity)

@@ -1,5 +1,7 @@
 """SentencePiece tokenization into a self-describing binary token file, memmap batches, samplers and prefetch."""
 
+from typing import TYPE_CHECKING
+
 from tokbin.blend import Blend
 from tokbin.cleaning import clean_text
 from tokbin.documents import HashSplit
@@ -11,6 +13,10 @@ from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
 from tokbin.writer import TokenWriter, write_tokens
+
+if TYPE_CHECKING:  # type checkers see the lazy names' real types
+    from tokbin.loader import ClosableBackgroundGenerator, Loader
+    from tokbin.sft import IGNORE_INDEX, sft_example
 
 # torch-backed parts load on first access, so the CLI and file tools start without importing torch
 _LAZY = {

@@ -130,8 +130,7 @@ def _json_type(value: object) -> str:
     )
 
 
-def _decode(piece: Piece, errors: str) -> str:
-    data = piece.data
+def _decode(piece: Piece, data: bytes, errors: str) -> str:
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
@@ -148,8 +147,11 @@ def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int
 
     Only the first text can continue a document of the piece before, only the last can go on in the next one.
     """
-    if opts.fmt == "text":
-        text = _decode(piece, opts.errors)
+    data = piece.data
+    if isinstance(data, list):  # Parquet: the column's values, one per row
+        values = data
+    elif opts.fmt == "text":
+        text = _decode(piece, data, opts.errors)
         if opts.clean:
             text = clean_text(text)
         if not opts.split_docs:
@@ -160,8 +162,9 @@ def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int
         # a printable character, so its document is not whitespace-only
         keep = [i for i, t in enumerate(texts) if not closed[i] or t.strip()]
         return [texts[i] for i in keep], [closed[i] for i in keep], 0
+    else:  # JSONL
+        values = data.split(b"\n")
     texts, bad = [], 0
-    values = piece.data if opts.fmt == "parquet" else piece.data.split(b"\n")
     for k, raw in enumerate(values):
         number = piece.line + k
         if opts.fmt == "parquet":
@@ -240,7 +243,7 @@ def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceRe
     if inner:
         lo, hi = bounds[inner[0]][0], bounds[inner[-1]][1]
         ends = np.array([bounds[i][1] - lo for i in inner], dtype=np.int64)
-        body = np.insert(flat[lo:hi], ends, opts.eos_id) if eos else flat[lo:hi]
+        body = np.insert(flat[lo:hi], ends, opts.eos_id) if opts.eos_id is not None else flat[lo:hi]
         lengths = np.diff(np.concatenate([[0], ends])) + len(eos)
     else:
         body, lengths = np.zeros(0, np.int64), np.zeros(0, np.int64)

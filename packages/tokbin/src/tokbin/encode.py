@@ -233,7 +233,7 @@ def encode_inputs(
     read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes)
     sp = load_processor(tokenizer)
     eos_id = sp.eos_id() if eos else None
-    if eos and eos_id < 0:
+    if eos_id is not None and eos_id < 0:
         raise TokenFileError(tokenizer, "tokenizer has no EOS piece: expected one for eos=True (or pass eos=False)")
     paths = expand_inputs(inputs, fmt)
     out = Path(output)
@@ -251,6 +251,7 @@ def encode_inputs(
             with TokenWriter(out, vocab_size=vocab, eos_id=eos_id, tokenizer_sha256=sha) as w:
                 for _, result in job.results():
                     asm.feed(w, result)
+            assert w.token_file is not None  # opened when the with block ended without an exception
             return EncodeResult(w.token_file, asm.skipped_lines, asm.text_bytes)
         fingerprint = {
             "inputs": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths],
@@ -360,15 +361,15 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
     stack = contextlib.ExitStack()
     w: TokenWriter | None = None
 
-    def close_shard(end: Position) -> None:
-        nonlocal w
+    def close_shard(shard: TokenWriter, end: Position) -> None:
         stack.close()
+        assert shard.token_file is not None  # opened when the stack closed the writer without an exception
         manifest["shards"].append(
             {
-                "file": w.path.name,
-                "n_tokens": w.n_tokens,
-                "n_docs": w.n_docs,
-                "data_sha256": w.token_file.data_sha256,
+                "file": shard.path.name,
+                "n_tokens": shard.n_tokens,
+                "n_docs": shard.n_docs,
+                "data_sha256": shard.token_file.data_sha256,
                 "end": [end.input, end.offset, end.line],
                 "skipped_lines": asm.skipped_lines,
                 "text_bytes": asm.text_bytes,
@@ -376,7 +377,6 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
         )
         write_manifest(out, manifest)
         asm.skipped_lines = asm.text_bytes = 0
-        w = None
 
     with stack:
         for piece, result in job.results(start):
@@ -394,10 +394,11 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
             asm.feed(w, result)
             # a shard that is still empty (every document held out, say) runs on to the next boundary
             if (piece.shard_end or piece.end().input == n_inputs) and w.n_tokens and not asm.in_document:
-                close_shard(piece.end())
+                close_shard(w, piece.end())
+                w = None
         if w is not None:
             if w.n_tokens:
-                close_shard(Position(n_inputs, 0, 1))
+                close_shard(w, Position(n_inputs, 0, 1))
             else:
                 w.discard()
     if not manifest["shards"]:

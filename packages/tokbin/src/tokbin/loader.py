@@ -6,17 +6,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 from prefetch_generator import BackgroundGenerator
 
 from tokbin.tokenfile import TokenFile
-
-if TYPE_CHECKING:
-    from tokbin.blend import Blend
 
 _CLOSE_POLL_S = 0.02  # how often close() drains the queue while it waits for the producer thread to end
 # Batches per queue item in Loader, and per gather_many call in its producer. Every hand-off wakes the consumer
@@ -115,6 +112,17 @@ class ClosableBackgroundGenerator(BackgroundGenerator):
                 raise RuntimeError("prefetch thread did not stop within the timeout (the producer is stuck)")
 
 
+class TokenDataset(Protocol):
+    """The reading interface ``Loader`` needs, which ``TokenFile``, ``ShardedTokens`` and ``Blend`` share."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    def gather_many(
+        self, starts_list: Sequence[np.ndarray], seq_len: int, *, pin_memory: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
 class Loader:
     """Iterator of ``(inputs, targets)`` int64 (B, T) tensors from ``token_file`` in the order ``sampler`` gives.
 
@@ -142,7 +150,7 @@ class Loader:
 
     def __init__(
         self,
-        token_file: TokenFile | Blend | str | os.PathLike,
+        token_file: TokenDataset | str | os.PathLike,
         sampler,
         *,
         device: str | torch.device = "cpu",
@@ -165,7 +173,8 @@ class Loader:
         # after the next group's windows are drawn, so the hand-off comes right before the next copies: the consumer
         # it wakes then finds the GIL free (numpy drops it while copying) instead of waiting for the producer's
         # Python. A sampler error comes after the batches drawn before it.
-        step, ready = first_step, None
+        step = first_step
+        ready: list[tuple[torch.Tensor, torch.Tensor]] = []
         while True:
             specs: list[tuple[np.ndarray, int]] = []
             failure: Exception | None = None

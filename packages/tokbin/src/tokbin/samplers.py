@@ -25,10 +25,17 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
 
 
+def _check_step(step: int) -> None:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+
+
 class _Sampler:
     """Step counter, iteration and state handling shared by the samplers."""
 
     step: int
+    rank: int
+    world_size: int
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
         raise NotImplementedError
@@ -104,8 +111,9 @@ class RandomWindows(_Sampler):
         return {k: getattr(self, k) for k in keys}
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
+        _check_step(step)
         chunk_index, row = divmod(step, _CHUNK_STEPS)
-        if chunk_index != self._chunk_index:
+        if self._chunk is None or chunk_index != self._chunk_index:
             rng = np.random.default_rng([self.seed, chunk_index])
             high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
             self._chunk = rng.integers(0, high, size=(_CHUNK_STEPS, self.batch_size * self.world_size))
@@ -159,7 +167,11 @@ class EpochWindows(_Sampler):
         return {**super().state_dict(), "resumed": list(self.resumed) if self.resumed else None}
 
     def _restore(self, state: dict) -> None:
-        self.resumed = tuple(int(v) for v in state["resumed"]) if state.get("resumed") else None
+        if state.get("resumed"):
+            epoch, read, first = (int(v) for v in state["resumed"])
+            self.resumed = (epoch, read, first)
+        else:
+            self.resumed = None
         self._resumed_mine = None
 
     def _reshard(self, state: dict) -> None:
@@ -173,26 +185,26 @@ class EpochWindows(_Sampler):
         self.resumed = (epoch, read, self.step) if read < self.n_windows else (epoch + 1, 0, self.step)
         self._resumed_mine = None
 
-    def _resumed_batches(self) -> int:
-        epoch, read, _ = self.resumed
+    def _resumed_batches(self, read: int) -> int:
         return math.ceil(math.ceil((self.n_windows - read) / self.world_size) / self.batch_size)
 
-    def _locate(self, step: int) -> tuple[int, int, bool]:
-        """(epoch, batch index in it, whether that epoch is the re-split one) of a step."""
+    def _locate(self, step: int) -> tuple[int, int, int | None]:
+        """(epoch, batch index in it, and for the re-split epoch the windows of its permutation read before the
+        re-split, None for an epoch in the regular layout) of a step."""
         if self.resumed is not None and step >= self.resumed[2]:
-            epoch, _, first = self.resumed
+            epoch, read, first = self.resumed
             k = step - first
-            if k < self._resumed_batches():
-                return epoch, k, True
-            e, k = divmod(k - self._resumed_batches(), self.batches_per_epoch)
-            return epoch + 1 + e, k, False
+            if k < self._resumed_batches(read):
+                return epoch, k, read
+            e, k = divmod(k - self._resumed_batches(read), self.batches_per_epoch)
+            return epoch + 1 + e, k, None
         e, k = divmod(step, self.batches_per_epoch)
-        return e, k, False
+        return e, k, None
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, windows of that epoch's permutation read by all ranks together) before batch ``step``."""
-        epoch, k, resumed = self._locate(step)
-        start = self.resumed[1] if resumed else 0
+        epoch, k, read_before = self._locate(step)
+        start = 0 if read_before is None else read_before
         return epoch, min(start + k * self.batch_size * self.world_size, self.n_windows)
 
     def epoch_of(self, step: int) -> int:
@@ -202,17 +214,18 @@ class EpochWindows(_Sampler):
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
 
     def _windows(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
+        if self._mine is None or epoch != self._epoch:
             padded = np.resize(self._permutation(epoch), self.per_rank * self.world_size)  # repeats from the start
             self._mine = padded[self.rank :: self.world_size]
             self._epoch = epoch
         return self._mine
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
-        epoch, k, resumed = self._locate(step)
-        if resumed:
+        _check_step(step)
+        epoch, k, read_before = self._locate(step)
+        if read_before is not None:
             if self._resumed_mine is None:
-                rest = self._permutation(epoch)[self.resumed[1] :]
+                rest = self._permutation(epoch)[read_before:]
                 padded = np.resize(rest, math.ceil(len(rest) / self.world_size) * self.world_size)
                 self._resumed_mine = padded[self.rank :: self.world_size]
             mine = self._resumed_mine
@@ -288,8 +301,9 @@ class BlendWindows(_Sampler):
         return {k: getattr(self, k) for k in keys}
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
+        _check_step(step)
         chunk_index, row = divmod(step, _CHUNK_STEPS)
-        if chunk_index != self._chunk_index:
+        if self._chunk is None or chunk_index != self._chunk_index:
             rng = np.random.default_rng([self.seed, chunk_index])
             shape = (_CHUNK_STEPS, self.batch_size * self.world_size)
             source = rng.choice(len(self.sizes), size=shape, p=self._p)
@@ -391,6 +405,7 @@ class DynamicLength(_Sampler):
         return (s if isinstance(s, int) else int(s(step))), None
 
     def batch(self, step: int) -> tuple[np.ndarray, int]:
+        _check_step(step)
         rng = np.random.default_rng([self.seed, step])
         seq_len, anchor = self._seq_len(step, rng)
         if seq_len < 1 or self.tokens_per_batch % seq_len:

@@ -76,7 +76,7 @@ class Piece:
         return Position(self.input, self.offset + len(self.data), self.line + self.data.count(b"\n"))
 
 
-def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern, re.Pattern | None]:
+def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern[bytes], re.Pattern[bytes] | None]:
     """(where a piece may end, where a document surely ends) as byte patterns; a cut is right after a match.
 
     - plain text: any line end (a document is the file: no boundary inside it);
@@ -89,8 +89,10 @@ def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern, re.Pattern | None]:
     if opts.fmt == "jsonl":
         line = re.compile(rb"\n")
         return line, line
-    nxt = rb"[A-Za-z]" if opts.clean else rb"[!-~]" if opts.split_docs else None
-    piece = re.compile(rb"\n" if nxt is None else rb"\n(?=" + nxt + rb")")
+    if not (opts.clean or opts.split_docs):
+        return re.compile(rb"\n"), None
+    nxt = rb"[A-Za-z]" if opts.clean else rb"[!-~]"
+    piece = re.compile(rb"\n(?=" + nxt + rb")")
     doc = re.compile(rb"\n[ \t\r]*\n(?=" + nxt + rb")") if opts.split_docs else None
     return piece, doc
 

@@ -262,7 +262,7 @@ class TokenFile:
         bar = tqdm(total=h.n_tokens, unit="tok", unit_scale=True, desc="verify", disable=not progress)
         for lo in range(0, h.n_tokens, _VERIFY_CHUNK):
             chunk = np.asarray(self.tokens[lo : lo + _VERIFY_CHUNK])
-            digest.update(memoryview(chunk).cast("B"))
+            digest.update(chunk.data.cast("B"))
             max_id = max(max_id, int(chunk.max()))
             bar.update(chunk.size)
         bar.close()

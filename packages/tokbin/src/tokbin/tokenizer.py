@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -40,7 +42,7 @@ def load_processor(tokenizer: str | os.PathLike | spm.SentencePieceProcessor) ->
     return sp
 
 
-def _run_with_elapsed_bar(fn, desc: str) -> None:
+def _run_with_elapsed_bar(fn: Callable[[], None], desc: str) -> None:
     """Run ``fn`` in a thread while a tqdm bar ticks; SentencePiece's trainer releases the GIL, so the bar moves."""
     import threading
 
@@ -73,7 +75,7 @@ def train_tokenizer(
     character_coverage: float = 0.9995,
     byte_fallback: bool = False,
     progress: bool = False,
-    **spm_options: object,
+    **spm_options: Any,
 ) -> Path:
     """Train a SentencePiece model on text files and return the path of ``<model_prefix>.model``.
 

@@ -165,7 +165,7 @@ class TokenWriter:
     def write(self, ids: np.ndarray) -> None:
         """Append ids (a 1-D integer array) to the current document."""
         arr = _checked(ids, self.n_docs, self.vocab_size, self.dtype, self.path)
-        view = memoryview(arr).cast("B")
+        view = arr.data.cast("B")
         self._f.write(view)
         self._digest.update(view)
         self.n_tokens += arr.size
@@ -270,6 +270,7 @@ def write_tokens(
         for doc in _as_docs(docs):
             w.write(doc)
             w.end_document()
+    assert w.token_file is not None  # opened when the with block ended without an exception
     return w.token_file
 
 
