@@ -23,7 +23,8 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     assert (info["model_config"]["dropout"], info["train_config"]["weight_decay"]) == (dropout, weight_decay)
     assert info["train_config"]["early_stopping_patience"] > 0
     assert f"stopped: {summary['stopped'] or 'planned end'} at step {summary['step']}, best at step" in result.stdout
-    plans = info["budget_plan"]
+    plans = summary["budget_plans"]
+    assert plans == json.loads((run / "summary.json").read_text())["budget_plans"]
     assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans) and len(plans) == 2
     assert result.stdout.count("re-planned at step") == 2 and result.stdout.count("torch engine") == 1  # one fit()
     lrs = [r["lr"] for r in read_metrics(run) if "lr" in r]

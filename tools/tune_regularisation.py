@@ -57,7 +57,7 @@ GRID = [
     {"weight_decay": 1.0},
 ]
 WARMUP_STEPS = 30
-DECAY_FRACTION = 0.4  # trainloop.budget.DECAY_FRACTION: what a --time-budget run decays over
+DECAY_FRACTION = 0.4  # trainloop.BUDGET.decay_fraction: what a --time-budget run decays over
 EVALS_PER_RUN = 12  # a --time-budget run evaluates every twelfth of its budget
 SEQ_LEN = 128  # the cpu-small recipe
 BATCH = DEFAULT_ROW["batch"]

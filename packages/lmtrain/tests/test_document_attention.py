@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import tokbin
-from lmtrain.cli import build_parser, main
+from lmtrain.cli import main
 from lmtrain.errors import LmtrainError
-from lmtrain.train_run import build_configs, document_separator_of
+from lmtrain.plan import DataInfo, TrainRequest, World, document_separator_of, plan_run
 
 VOCAB = 300
 
 
 def token_data(directory: Path, eos_id: int | None) -> Path:
-    """A data directory with tiny train/val token files (the tokenizer is never read by build_configs)."""
+    """A data directory with tiny train/val token files (the tokenizer is never read by plan_run)."""
     directory.mkdir()
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, VOCAB, size=n) for n in (40, 25, 60)]
@@ -30,27 +30,28 @@ def token_data(directory: Path, eos_id: int | None) -> Path:
     return directory
 
 
-def configs(data: Path, *flags: str):
+def model_config(data: Path, **request):
+    """The model config lmtrain would plan for `request` on `data`."""
     from lmtrain.run_files import read_meta
 
-    args = build_parser().parse_args(["train", "--data", str(data), "--out", str(data.parent / "run"), *flags])
-    return build_configs(args, read_meta(data))
+    request = TrainRequest(data=str(data), out=str(data.parent / "run"), **request)
+    return plan_run(request, DataInfo(read_meta(data), 100), World(threads_fixed=True)).model
 
 
 def test_flag_sets_the_separator_to_the_token_files_eos_id(tmp_path):
     data = token_data(tmp_path / "data", eos_id=2)
-    assert configs(data, "--preset", "tiny")[0].document_separator is None
-    assert configs(data, "--preset", "tiny", "--document-attention")[0].document_separator == 2
+    assert model_config(data, recipe="tiny").document_separator is None
+    assert model_config(data, recipe="tiny", document_attention=True).document_separator == 2
     assert document_separator_of(str(data / "train.bin")) == 2
 
 
 def test_set_reaches_the_field_and_conflicts_with_the_flag(tmp_path):
     data = token_data(tmp_path / "data", eos_id=2)
-    assert configs(data, "--preset", "tiny", "--set", "document_separator=7")[0].document_separator == 7
+    assert model_config(data, recipe="tiny", overrides={"document_separator": "7"}).document_separator == 7
     with pytest.raises(LmtrainError, match="use one"):
-        configs(data, "--preset", "tiny", "--document-attention", "--set", "document_separator=7")
+        model_config(data, recipe="tiny", document_attention=True, overrides={"document_separator": 7})
     with pytest.raises(LmtrainError, match="document_separator"):
-        configs(data, "--preset", "tiny", "--set", f"document_separator={VOCAB}")  # outside the vocabulary
+        model_config(data, recipe="tiny", overrides={"document_separator": VOCAB})  # outside the vocabulary
 
 
 def test_token_file_without_eos_is_a_one_line_error(tmp_path, capsys):

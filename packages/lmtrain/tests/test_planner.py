@@ -5,8 +5,7 @@ import pytest
 
 from lmcore import ModelConfig
 from lmtrain.planner import RULE, plan_regularisation, training_passes
-from lmtrain.train_run import BUDGET_PATIENCE, budget_plan
-from trainloop import TrainConfig
+from trainloop import BUDGET, TrainConfig
 
 TOKENS_PER_STEP = 16 * 128  # the cpu-small recipe: micro_batch 16 x seq_len 128, one rank, no accumulation
 BUDGET_TOKENS = 1400 * TOKENS_PER_STEP  # what 260 s buy on an idle 2-core machine (about 5.4 steps/s)
@@ -58,7 +57,7 @@ def test_bad_sizes_name_the_value(tokens, budget):
 
 
 def test_a_budgeted_run_stops_early_unless_the_user_set_the_patience():
-    cfg, _ = budget_plan(TrainConfig(), 260.0, 0.2)
-    assert cfg.early_stopping_patience == BUDGET_PATIENCE and cfg.keep_best and cfg.eval_every_s == 260.0 / 12
-    cfg, _ = budget_plan(TrainConfig(early_stopping_patience=0), 260.0, 0.2, keep={"early_stopping_patience"})
+    cfg, _ = BUDGET.configure(TrainConfig(), 260.0, 0.2)
+    assert cfg.early_stopping_patience == BUDGET.patience and cfg.keep_best and cfg.eval_every_s == 260.0 / 12
+    cfg, _ = BUDGET.configure(TrainConfig(early_stopping_patience=0), 260.0, 0.2, keep={"early_stopping_patience"})
     assert cfg.early_stopping_patience == 0

@@ -17,7 +17,7 @@ _CACHE: dict[str, Path] = {}
 def tiny_run(tmp_path_factory) -> Path:
     """A trained run (checkpoints at steps 2 and 4, each evaluated; best.json points at the better one)."""
     if "run" not in _CACHE:
-        from lmtrain.cli import main
+        from lmtrain import train
         from lmtrain.demo import build_corpus
         from lmtrain.prepare_data import prepare
 
@@ -27,11 +27,8 @@ def tiny_run(tmp_path_factory) -> Path:
         text.write_text(text.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
         prepare([str(text)], root / "data", vocab_size=400, progress=False)
         run = root / "run"
-        args = ["train", "--data", str(root / "data"), "--out", str(run), "--preset", "tiny", "--max-steps", "4",
-                "--set", "bias=false", "--set", "cpu_threads=1", "--set", "save_every=2", "--set", "eval_every=2",
-                "--set", "log_every=1"]  # fmt: skip
-        if main(args) != 0:
-            raise RuntimeError("training the tiny test run failed")
+        settings = {"bias": False, "cpu_threads": 1, "save_every": 2, "eval_every": 2, "log_every": 1}
+        train(root / "data", run, recipe="tiny", max_steps=4, quiet=True, overrides=settings)
         _CACHE["run"] = run
     return _CACHE["run"]
 

@@ -33,14 +33,14 @@ def test_gradient_inspector_tables_and_histograms(tmp_path):
     seen = {}
 
     trainer = Trainer(model, cfg, SeqData(4), run_dir=tmp_path)
-    orig = trainer.engine.step
+    orig = trainer.engine._step  # the optimizer step itself: the gradients the inspector saw, clipped (clip=0: not)
 
     def step_and_record():
         if trainer.step == 1:
             seen.update({n: p.grad.norm().item() for n, p in model.named_parameters()})
         orig()
 
-    trainer.engine.step = step_and_record
+    trainer.engine._step = step_and_record
     trainer.fit()
     rows = (tmp_path / "inspect" / "grads_step2.tsv").read_text().splitlines()
     assert rows[0].split("\t")[:4] == ["name", "group", "shape", "norm"]

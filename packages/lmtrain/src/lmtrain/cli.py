@@ -293,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lmtrain.errors import LmtrainError, no_space_message
     from lmtrain.run_lock import output_lock
 
-    writes = args.out if args.command in ("prepare", "train", "demo") else None  # one writer per output directory
+    # One writer per output directory (`train` takes its lock itself, in lmtrain.train).
+    writes = args.out if args.command in ("prepare", "demo") else None
     try:
         with output_lock(args.command, writes):
             return int(run(args) or 0)

@@ -7,8 +7,6 @@ corpus (stdlib .py files outside the test suites) -> prepare -> train cpu-small 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import math
 import os
 import sysconfig
@@ -101,27 +99,23 @@ def tiny_run(directory: str | os.PathLike, steps: int = 4) -> Path:
         ['best.json', 'step_00000002', 'step_00000004']
         >>> work.cleanup()
     """
-    from lmtrain.cli import build_parser
-    from lmtrain.train_run import run_train
+    from lmtrain.recipes import EXAMPLE_RECIPE
+    from lmtrain.train_run import train
 
     data, run = tiny_data(directory), Path(directory) / "run"
-    args = build_parser().parse_args(
-        ["train", "--data", str(data), "--out", str(run), "--preset", "tiny", "--max-steps", str(steps),
-         "--set", "bias=false", "--set", "eval_every=2", "--set", "save_every=2", "--set", "log_every=1"]
-    )  # fmt: skip
-    with contextlib.redirect_stdout(io.StringIO()):
-        run_train(args)
+    train(data, run, recipe=EXAMPLE_RECIPE, max_steps=steps, quiet=True,
+          overrides={"bias": False, "eval_every": 2, "save_every": 2, "log_every": 1})  # fmt: skip
     return run
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """The `lmtrain demo` command."""
-    from lmtrain.cli import build_parser
     from lmtrain.evaluate import evaluate_text
     from lmtrain.prepare_data import prepare
+    from lmtrain.recipes import DEFAULT_RECIPE
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from lmtrain.sample import generate_text
-    from lmtrain.train_run import run_train
+    from lmtrain.train_run import train
 
     if not math.isfinite(args.time_budget) or args.time_budget <= 0:
         raise LmtrainError(f"--time-budget must be a finite number of seconds > 0, got {args.time_budget}")
@@ -139,22 +133,9 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{meta['val']['tokens']:,} val tokens, {meta['bytes_per_token']:.2f} bytes per token -> {data}",
         flush=True,
     )
-    print(f"[3/5] train: cpu-small on CPU for {args.time_budget:.0f} s", flush=True)
-    train_args = build_parser().parse_args(
-        [
-            "train",
-            "--data",
-            str(data),
-            "--out",
-            str(run),
-            "--preset",
-            "cpu-small",
-            "--time-budget",
-            str(args.time_budget),
-            "--overwrite",  # a second demo into the same directory starts over
-        ]  # fmt: skip
-    )
-    run_train(train_args)
+    print(f"[3/5] train: {DEFAULT_RECIPE} on CPU for {args.time_budget:.0f} s", flush=True)
+    # --overwrite: a second demo into the same directory starts over.
+    train(data, run, recipe=DEFAULT_RECIPE, time_budget_s=args.time_budget, overwrite=True)
     model, run_info, checkpoint = load_trained_model(run)
     sp = load_tokenizer(run)
     val_text = (data / "val.txt").read_text(encoding="utf-8")[:DEMO_EVAL_CHARS]

@@ -65,6 +65,7 @@ def is_host(text: str) -> bool:
         >>> [is_host(h) for h in ("node-1.lan", "10.0.0.1", "fd00::1", "10.0.0.256", "node1;reboot")]
         [True, True, True, False, False]
     """
+    kind: type[ipaddress.IPv4Address] | type[ipaddress.IPv6Address]
     if re.fullmatch(r"[0-9.]+", text):
         kind = ipaddress.IPv4Address
     elif ":" in text:
@@ -190,7 +191,7 @@ def check_gpus(expected_per_node: int | None) -> tuple[list[Check], list[dict]]:
     if low:
         checks.append(Check(WARN, "bf16", f"compute capability {caps}", "bf16 needs >= 8.0: use --set precision=fp16"))
     else:
-        checks.append(Check(OK, "bf16", f"supported (compute capability {', '.join(sorted(set(caps)))})"))
+        checks.append(Check(OK, "bf16", f"supported (compute capability {', '.join(sorted({str(c) for c in caps}))})"))
     return checks, gpus
 
 
@@ -257,7 +258,7 @@ def check_master(hosts: list[tuple[str, int]], timeout: float = 3.0) -> list[Che
         return [Check(OK, "master", "single node (no hostfile, MASTER_ADDR unset)")]
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-        ip = sockaddr[0]
+        ip = str(sockaddr[0])
     except OSError as exc:
         return [Check(FAIL, "master", f"{addr} does not resolve: {exc}", "fix /etc/hosts or use the IP address")]
     local = {"0.0.0.0", "::"}

@@ -244,7 +244,7 @@ def evaluate_text(
     """
     ids, lossless = encode_for_eval(sp, text, eos_id)
     stats = text_stats(text)
-    runs = []
+    runs: list[dict[str, Any]] = []
     for seed in seeds if seeds else [None]:
         offset = 0 if seed is None else random.Random(seed).randrange(stride)
         for r in range(repeat):

@@ -123,8 +123,10 @@ def field_types(config: Any) -> dict[str, Any]:
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
 
 
-def apply_overrides(pairs: Sequence[str], configs: Mapping[str, Any]) -> dict[str, Any]:
-    """Return copies of the dataclass instances in `configs` with the `--set key=value` pairs applied.
+def apply_overrides(overrides: Sequence[str] | Mapping[str, Any], configs: Mapping[str, Any]) -> dict[str, Any]:
+    """Return copies of the dataclass instances in `configs` with the overrides applied: `--set key=value` strings,
+    or a mapping of keys to values (a string value is converted with the field's type as `--set` does; any other
+    value must already be of that type, which the config's own validation checks).
 
     Raises OverrideError for an unknown key (listing near matches) or a value of the wrong type; the configs'
     own validation errors (ValueError from `__post_init__`) are re-raised as OverrideError naming the key.
@@ -136,25 +138,17 @@ def apply_overrides(pairs: Sequence[str], configs: Mapping[str, Any]) -> dict[st
         ...     log_every: int = 10
         >>> apply_overrides(["log_every=1"], {"train": T()})["train"].log_every
         1
+        >>> apply_overrides({"train.lr": 0.01}, {"train": T()})["train"].lr
+        0.01
     """
+    items = list(overrides.items()) if isinstance(overrides, Mapping) else parse_pairs(overrides)
     types_by_config = {name: field_types(cfg) for name, cfg in configs.items()}
     changes: dict[str, dict[str, Any]] = {name: {} for name in configs}
     keys: dict[str, list[str]] = {name: [] for name in configs}
-    for key, value in parse_pairs(pairs):
-        prefix, dot, bare = key.partition(".")
-        targets = [prefix] if dot and prefix in configs else list(configs)
-        name = bare if dot and prefix in configs else key
-        hit = [t for t in targets if name in types_by_config[t]]
-        if not hit:
-            known = sorted({f for t in targets for f in types_by_config[t]})
-            near = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
-            hint = f"; did you mean {', '.join(near)}?" if near else ""
-            raise OverrideError(
-                f"--set {key}: no field {name!r} in the {' or '.join(targets)} config{hint} (known fields: "
-                f"{', '.join(known)})"
-            )
-        for t in hit:
-            changes[t][name] = convert(value, types_by_config[t][name], key=key)
+    for key, value in items:
+        for t, name in targets(key, configs, types_by_config):
+            annotation = types_by_config[t][name]
+            changes[t][name] = convert(value, annotation, key=key) if isinstance(value, str) else value
             keys[t].append(key)
     result = {}
     for name, cfg in configs.items():
@@ -166,3 +160,32 @@ def apply_overrides(pairs: Sequence[str], configs: Mapping[str, Any]) -> dict[st
         except (ValueError, TypeError) as err:
             raise OverrideError(f"--set {', '.join(keys[name])}: invalid {name} config: {err}") from err
     return result
+
+
+def targets(
+    key: str, configs: Mapping[str, Any], types_by_config: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[tuple[str, str]]:
+    """(config name, field name) pairs that `key` sets: `section.field` sets that section's field; a bare name sets
+    every config that has it. An unknown key is an OverrideError listing the near matches.
+
+    Example:
+        >>> @dataclasses.dataclass
+        ... class M:
+        ...     dropout: float = 0.0
+        >>> targets("model.dropout", {"model": M()}), targets("dropout", {"model": M()})
+        ([('model', 'dropout')], [('model', 'dropout')])
+    """
+    types_by_config = types_by_config or {name: field_types(cfg) for name, cfg in configs.items()}
+    prefix, dot, bare = key.partition(".")
+    sections = [prefix] if dot and prefix in configs else list(configs)
+    name = bare if dot and prefix in configs else key
+    hit = [(t, name) for t in sections if name in types_by_config[t]]
+    if not hit:
+        known = sorted({f for t in sections for f in types_by_config[t]})
+        near = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise OverrideError(
+            f"--set {key}: no field {name!r} in the {' or '.join(sections)} config{hint} (known fields: "
+            f"{', '.join(known)})"
+        )
+    return hit

@@ -113,7 +113,7 @@ def prepare(
     if fraction is not None and not 0 < fraction < 1:
         raise LmtrainError(f"--val-fraction must be in (0, 1), got {fraction}")
     fmt_text = jsonl_field is None and parquet_column is None
-    read = {
+    read: dict[str, Any] = {
         "jsonl_field": jsonl_field,
         "parquet_column": parquet_column,
         # the held-out unit is the document: plain text is cut at blank lines so there are documents to hold out

@@ -1,61 +1,26 @@
-"""What a user gets without flags: per-preset training defaults and the app's own data settings.
+"""What a user gets without flags: one table of named recipes, each a model, its training settings and its data
+settings, and the app's own data settings (:class:`DataConfig`).
 
-The numbers for `cpu-small` and `prepare`'s vocabulary size come from the TinyShakespeare benchmark runs recorded
-in docs/benchmarks.md (`tools/bench_shakespeare.py`); the large presets carry the reference 1.3B recipe (AdamW peak
-lr 3e-4, 500 warmup steps from 1e-6, cosine to 1e-6 over 10000 steps, bf16). A `--set key=value` overrides any of
-them.
+A recipe's model is the lmcore preset of the same shape; its training settings are the TrainConfig fields that
+differ from trainloop's defaults. The numbers for `cpu-small` and `prepare`'s vocabulary size come from the
+TinyShakespeare benchmark runs recorded in docs/benchmarks.md (`tools/bench_shakespeare.py`); the GPU recipes carry
+the reference 1.3B recipe (AdamW peak lr 3e-4, 500 warmup steps from 1e-6, cosine to 1e-6 over 10000 steps, bf16).
+A `--set key=value` (or `lmtrain.train(overrides=...)`) overrides any of them; `run.json` records the recipe's name
+and the configs it resolved to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 # `lmtrain prepare --vocab-size` default (BPE): see docs/benchmarks.md for the sizes tried.
 DEFAULT_VOCAB_SIZE = 2048
 DEFAULT_VAL_FRACTION = 0.1
-DEFAULT_PRESET = "cpu-small"
 
-# The GPU presets' schedule: the reference 1.3B recipe (4 nodes x 4 RTX 3090), a checkpoint every 1000 steps.
-_GPU_RECIPE = dict(lr=3e-4, min_lr=1e-6, warmup_steps=500, schedule="cosine", t_max=10_000, max_steps=10_000,
-                   precision="bf16", save_every=1000, log_every=10, eval_every=1000, eval_batches=50)  # fmt: skip
-
-# TrainConfig fields per preset (only those that differ from trainloop's own defaults).
-TRAIN_RECIPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=10,
-        max_steps=200,
-        micro_batch=8,
-        log_every=10,
-        eval_every=0,
-        eval_batches=4,
-        precision="fp32",
-    ),  # fmt: skip
-    # From the tuning runs in docs/benchmarks.md (tools/tune_cpu_small.py): a narrow model, a 128-token context and
-    # small batches (more steps) did best; lr 3e-3 against 5e-3 is within their noise.
-    "cpu-small": dict(
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=30,
-        max_steps=100_000,
-        micro_batch=16,
-        grad_accum=1,
-        precision="fp32",
-        log_every=10,
-        eval_every=0,
-        eval_batches=8,
-        save_every=0,
-        weight_decay=0.1,
-        clip=1.0,
-    ),  # fmt: skip
-    "125m": dict(_GPU_RECIPE, micro_batch=16, grad_accum=2),
-    "350m": dict(_GPU_RECIPE, micro_batch=8, grad_accum=4),
-    "760m": dict(_GPU_RECIPE, micro_batch=4, grad_accum=8),
-    "1.3b": dict(_GPU_RECIPE, micro_batch=2, grad_accum=4),
-    "2.7b": dict(_GPU_RECIPE, micro_batch=1, grad_accum=8),
-}
+Sampler = Literal["random", "epoch"]
+SAMPLERS: tuple[Sampler, ...] = ("random", "epoch")
 
 
 @dataclass
@@ -73,14 +38,14 @@ class DataConfig:
     """
 
     seq_len: int | None = None
-    sampler: str = "random"
+    sampler: Sampler = "random"
     prefetch: int = 3
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ValueError(f"DataConfig.seq_len must be an int >= 2 or None, got {self.seq_len!r}")
-        if self.sampler not in ("random", "epoch"):
+        if self.sampler not in SAMPLERS:
             raise ValueError(f"DataConfig.sampler must be 'random' or 'epoch', got {self.sampler!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"DataConfig.prefetch must be an int >= 1, got {self.prefetch!r}")
@@ -88,22 +53,130 @@ class DataConfig:
             raise ValueError(f"DataConfig.cpu_threads must be an int >= 1 or None, got {self.cpu_threads!r}")
 
 
-# DataConfig per preset.
-DATA_RECIPES: dict[str, dict[str, Any]] = {
-    "cpu-small": dict(seq_len=None),
-}
-
-
-def train_recipe(preset: str | None) -> dict[str, Any]:
-    """TrainConfig field values for `preset` (empty for an unknown name or a config file).
+@dataclass(frozen=True)
+class Recipe:
+    """A named way to train: the model (ModelConfig fields), the training settings (TrainConfig fields that differ
+    from trainloop's defaults) and the data settings (DataConfig fields).
 
     Example:
-        >>> train_recipe("1.3b")["warmup_steps"]
-        500
+        >>> recipe = RECIPES["1.3b"]
+        >>> recipe.model_config(vocab_size=32000).d_model, recipe.train_config().warmup_steps
+        (2048, 500)
     """
-    return dict(TRAIN_RECIPES.get(preset or "", {}))
+
+    name: str
+    model: Mapping[str, Any]
+    train: Mapping[str, Any]
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def model_config(self, vocab_size: int | None = None) -> Any:
+        """The recipe's lmcore ModelConfig, with the tokenizer's vocabulary size when given."""
+        from lmcore import ModelConfig
+
+        return ModelConfig.from_dict({**self.model, **({} if vocab_size is None else {"vocab_size": vocab_size})})
+
+    def train_config(self) -> Any:
+        from trainloop import TrainConfig
+
+        return TrainConfig.from_dict(dict(self.train))
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(**self.data)
+
+    def matches(self, model_config: Any) -> bool:
+        """Whether ``model_config`` has this recipe's shape (layers, heads, width)."""
+        return all(self.model.get(k) == getattr(model_config, k) for k in ("n_layer", "n_head", "d_model"))
 
 
-def data_recipe(preset: str | None) -> dict[str, Any]:
-    """DataConfig field values for `preset`."""
-    return dict(DATA_RECIPES.get(preset or "", {}))
+def _table() -> dict[str, Recipe]:
+    from lmcore import PRESETS
+
+    # The GPU recipes' schedule: the reference 1.3B recipe (4 nodes x 4 RTX 3090), a checkpoint every 1000 steps.
+    gpu = dict(lr=3e-4, min_lr=1e-6, warmup_steps=500, schedule="cosine", t_max=10_000, max_steps=10_000,
+               precision="bf16", save_every=1000, log_every=10, eval_every=1000, eval_batches=50)  # fmt: skip
+    recipes = [
+        Recipe(
+            "tiny",
+            PRESETS["tiny"],
+            dict(
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=10,
+                max_steps=200,
+                micro_batch=8,
+                log_every=10,
+                eval_every=0,
+                eval_batches=4,
+                precision="fp32",
+            ),
+        ),  # fmt: skip
+        # From the tuning runs in docs/benchmarks.md (tools/tune_cpu_small.py): a narrow model, a 128-token
+        # context and small batches (more steps) did best; lr 3e-3 against 5e-3 is within their noise.
+        Recipe(
+            "cpu-small",
+            PRESETS["cpu-small"],
+            dict(
+                lr=3e-3,
+                min_lr=3e-4,
+                warmup_steps=30,
+                max_steps=100_000,
+                micro_batch=16,
+                grad_accum=1,
+                precision="fp32",
+                log_every=10,
+                eval_every=0,
+                eval_batches=8,
+                save_every=0,
+                weight_decay=0.1,
+                clip=1.0,
+            ),  # fmt: skip
+            dict(seq_len=None),
+        ),
+        Recipe("125m", PRESETS["125m"], dict(gpu, micro_batch=16, grad_accum=2)),
+        Recipe("350m", PRESETS["350m"], dict(gpu, micro_batch=8, grad_accum=4)),
+        Recipe("760m", PRESETS["760m"], dict(gpu, micro_batch=4, grad_accum=8)),
+        Recipe("1.3b", PRESETS["1.3b"], dict(gpu, micro_batch=2, grad_accum=4)),
+        Recipe("2.7b", PRESETS["2.7b"], dict(gpu, micro_batch=1, grad_accum=8)),
+    ]
+    return {r.name: r for r in recipes}
+
+
+class _Recipes(Mapping[str, Recipe]):
+    """The table, built on first use (it needs lmcore, which `lmtrain --help` should not import)."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, Recipe] | None = None
+
+    def _get(self) -> dict[str, Recipe]:
+        if self._built is None:
+            self._built = _table()
+        return self._built
+
+    def __getitem__(self, name: str) -> Recipe:
+        return self._get()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+RECIPES: Mapping[str, Recipe] = _Recipes()
+DEFAULT_RECIPE = "cpu-small"  # `lmtrain train` without --preset or --model-config; what `lmtrain demo` trains
+EXAMPLE_RECIPE = "tiny"  # the examples' and tests' few-second runs (lmtrain.demo.tiny_run)
+
+
+def recipe_named(name: str) -> Recipe:
+    """The recipe ``name``; an unknown name is a one-line error listing the known ones."""
+    from lmtrain.errors import LmtrainError
+
+    if name not in RECIPES:
+        raise LmtrainError(f"--preset {name!r} is unknown; known presets: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def recipe_matching(model_config: Any) -> Recipe | None:
+    """The recipe whose model has the shape of ``model_config`` (a --model-config file then trains with that
+    recipe's settings), or None."""
+    return next((r for r in RECIPES.values() if r.matches(model_config)), None)

@@ -12,17 +12,56 @@ The plan is part of every checkpoint, so a resumed run continues the same schedu
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from trainloop.config import TrainConfig
 
-# Fractions of the budget after which the plan is revised (the run then ends at the planned step).
-REPLAN_AT = (0.2, 0.55)
-# The decay's share of all steps (linear to min_lr, as in warmup-stable-decay schedules).
-DECAY_FRACTION = 0.4
-# Plan for this fraction of the measured speed, so that the decay completes before the budget runs out.
-SPEED_SAFETY = 0.92
 _OPEN_END = 10**9
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """How a run is sized to a wall-clock budget, every number in one place: how often it evaluates and when it
+    stops early (:meth:`configure`), and when and how its schedule re-plans (:class:`BudgetSchedule`).
+
+    Example:
+        >>> cfg, first_guess = BudgetPolicy().configure(TrainConfig(), 260.0, step_s=0.2)
+        >>> cfg.schedule, round(cfg.eval_every_s, 2), cfg.early_stopping_patience, first_guess
+        ('wsd', 21.67, 3, 2600)
+    """
+
+    evals: int = 12  # evaluations per budget, on the configured subset of the validation split
+    patience: int = 3  # evaluations in a row without a new best after which the run stops
+    log_points: int = 25  # log at least every budget_s / log_points seconds' worth of steps (one step at least)
+    replan_at: tuple[float, ...] = (0.2, 0.55)  # fractions of the budget after which the schedule re-plans
+    decay_fraction: float = 0.4  # the decay's share of all steps (linear to min_lr, as in WSD schedules)
+    speed_safety: float = 0.92  # plan for this fraction of the measured speed, so the decay ends in time
+
+    def configure(
+        self, config: TrainConfig, budget_s: float, step_s: float | None = None, *, keep: Collection[str] = ()
+    ) -> tuple[TrainConfig, int | None]:
+        """The TrainConfig of a run of ``budget_s`` seconds, and a first guess of its final step (twice what
+        ``step_s``, a measured step time, allows; None without one) that only sizes the progress bar until the
+        first re-plan. An evaluation every ``budget_s / evals`` seconds, the best checkpoint kept, early stopping
+        after ``patience`` evaluations without a new best unless ``early_stopping_patience`` is in ``keep`` (the
+        fields the user set)."""
+        log_every = max(1, min(config.log_every, int(budget_s) // self.log_points))
+        patience = config.early_stopping_patience if "early_stopping_patience" in keep else self.patience
+        cfg = dataclasses.replace(config, log_every=log_every, schedule="wsd", eval_every=0, keep_best=True,
+                                  eval_every_s=budget_s / self.evals, time_budget_s=budget_s,
+                                  early_stopping_patience=patience)  # fmt: skip
+        return cfg, None if step_s is None else int(2 * budget_s / step_s)
+
+    def schedule(self, config: TrainConfig, first_guess: int | None = None) -> BudgetSchedule:
+        """The :class:`BudgetSchedule` of ``config`` (a TrainConfig from :meth:`configure`)."""
+        return BudgetSchedule(config, first_guess=first_guess, replan_at=self.replan_at,
+                              decay_fraction=self.decay_fraction, speed_safety=self.speed_safety)  # fmt: skip
+
+
+BUDGET = BudgetPolicy()
 
 
 class BudgetSchedule:
@@ -45,9 +84,9 @@ class BudgetSchedule:
         config: TrainConfig,
         *,
         first_guess: int | None = None,
-        replan_at: tuple[float, ...] = REPLAN_AT,
-        decay_fraction: float = DECAY_FRACTION,
-        speed_safety: float = SPEED_SAFETY,
+        replan_at: tuple[float, ...] = BudgetPolicy.replan_at,
+        decay_fraction: float = BudgetPolicy.decay_fraction,
+        speed_safety: float = BudgetPolicy.speed_safety,
     ) -> None:
         if config.time_budget_s is None:
             raise ValueError("BudgetSchedule needs TrainConfig.time_budget_s (the budget it sizes the schedule to)")

@@ -13,6 +13,7 @@ import torch
 
 from trainloop.clipping import DEFAULT_GROUP, ClipGroups
 from trainloop.config import TrainConfig
+from trainloop.engine import trainable_names
 from trainloop.trainer import Batch, Trainer
 
 
@@ -73,7 +74,9 @@ def calibrate(
     trainer = Trainer(model, run_cfg, train_data, run_dir=run_dir, ds_config=ds_config)
     if at_step > 0:
         trainer.fit(resume=resume)
-    probe = ClipGroups(trainer.engine.names, {p: 1.0 for p in patterns}, 0.0)
+    # Thresholds of 0 measure without clipping; a step taken as non-finite drops the gradients, so the optimizer
+    # never sees these batches.
+    probe = ClipGroups(trainable_names(trainer.engine.module), dict.fromkeys(patterns, 0.0), 0.0)
     engine = trainer.engine
     it = iter(train_data)
     norms: dict[str, list[float]] = {g: [] for g in probe.group_names}
@@ -82,11 +85,8 @@ def calibrate(
             batch = trainer._next(it)
             if batch is None:
                 raise ValueError(f"train_data ran out after {len(norms[DEFAULT_GROUP])} of {n_batches} batches")
-            engine.micro_step(*batch, micro == config.grad_accum - 1, config.grad_accum)
-        scale = engine.unscale()
-        named, partitioned = engine.local_grads()
-        report = probe.clip(named, all_reduce=partitioned, unscale=scale, apply=False)
-        engine.skip()  # measure only: the optimizer never sees these gradients
+            engine.backward(*batch, sync=micro == config.grad_accum - 1, n_micro=config.grad_accum)
+        report = engine.clip_and_step(probe, config.lr, loss_finite=False).clip
         for g, v in report.norms.items():
             norms[g].append(v)
     has_default = any(i == len(patterns) for i in probe.index_of.values())

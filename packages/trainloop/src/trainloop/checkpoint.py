@@ -23,7 +23,7 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -128,7 +128,7 @@ class CheckpointStore:
         >>> run.cleanup()
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / "checkpoints"
 
@@ -385,7 +385,8 @@ def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = 
 def rng_state() -> dict[str, Any]:
     """Every RNG the loop touches (python, numpy, torch CPU and, when present, CUDA) as tensors, numbers and
     tuples only, so the state loads with ``weights_only=True``."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)  # the MT19937 tuple (numpy types it as tuple or dict)
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", legacy)
     state = {
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),

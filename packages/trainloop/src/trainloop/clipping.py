@@ -122,7 +122,8 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
         >>> [g["weight_decay"] for g in groups]
         [0.1, 0.0]
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, p in model.named_parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

@@ -6,11 +6,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-SCHEDULES = ("cosine", "constant", "wsd")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ENGINES = ("torch", "deepspeed")
+ScheduleName = Literal["cosine", "constant", "wsd"]
+Precision = Literal["fp32", "bf16", "fp16"]
+EngineName = Literal["torch", "deepspeed"]
+Verify = Literal["sizes", "full"]
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+ENGINES: tuple[str, ...] = get_args(EngineName)
 
 
 class ConfigError(ValueError):
@@ -40,7 +44,7 @@ class TrainConfig:
     lr: float = 3e-4
     min_lr: float = 1e-6
     warmup_steps: int = 0
-    schedule: str = "cosine"
+    schedule: ScheduleName = "cosine"
     t_max: int | None = None  # step where the decay reaches min_lr; None means max_steps
     wsd_decay_steps: int | None = None  # WSD: length of the final decay; None means 10% of t_max
     beta1: float = 0.9
@@ -51,7 +55,7 @@ class TrainConfig:
     max_steps: int = 1000
     micro_batch: int = 8
     grad_accum: int = 1
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     scaler_init_scale: float = 65536.0
     scaler_growth_factor: float = 2.0
     scaler_backoff_factor: float = 0.5
@@ -73,7 +77,7 @@ class TrainConfig:
     seed: int = 0
     time_budget_s: float | None = None
     # Engine and faults.
-    engine: str = "torch"
+    engine: EngineName = "torch"
     zero_stage: int = 2  # used when the DeepSpeed config names no stage
     max_consecutive_skips: int = 5
     detect_anomaly: bool = False
@@ -168,6 +172,12 @@ class TrainConfig:
         need(isinstance(self.tensorboard, bool), "tensorboard", "must be true or false")
         need(self.wandb_project is None or (isinstance(self.wandb_project, str) and self.wandb_project.strip() != ""),
              "wandb_project", "must be a W&B project name or None (off)")  # fmt: skip
+
+    @property
+    def clip_thresholds(self) -> dict[str, float] | None:
+        """``clip_groups`` as a mapping (a file path given to the config was read when it was built)."""
+        groups = self.clip_groups
+        return groups if isinstance(groups, dict) else None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict; ``TrainConfig(**d)`` rebuilds the config."""

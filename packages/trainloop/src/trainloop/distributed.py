@@ -120,7 +120,8 @@ def _release_buffers() -> None:
     """Wait (bounded) until no collective's worker still holds one of the buffers; the wait sleeps, so it never
     holds the GIL a worker may need."""
     deadline = time.monotonic() + _RELEASE_WAIT_S
-    while any(b._use_count() > 1 for b in _BUFFERS.values()) and time.monotonic() < deadline:
+    # _use_count: how many references the tensor's C++ object has (a private torch method, not in its stubs).
+    while any(b._use_count() > 1 for b in _BUFFERS.values()) and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.001)
 
 

@@ -33,15 +33,51 @@ ADAMW_AS_IS = {"adam_w_mode": True, "bias_correction": True, "amsgrad": False}
 ENGINE_FIELDS = ("micro_batch", "grad_accum", "precision", "scaler_init_scale", "scaler_growth_interval")
 
 
+@dataclass(frozen=True)
+class ResolvedDSConfig:
+    """A DeepSpeed config resolved for one TrainConfig and world size (:func:`build_ds_config`): the dict that
+    ``deepspeed.initialize`` gets as it is, and the lines saying what the run took from the JSON."""
+
+    config: dict[str, Any]
+    notes: tuple[str, ...]
+
+    def __init__(self, config: dict[str, Any], notes: Collection[str]) -> None:
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "notes", tuple(notes))
+
+
 @dataclass
 class Adoption:
-    """What a DeepSpeed config made of a run: the TrainConfig with the JSON's values, the config for
-    ``deepspeed.initialize``, and one line saying what was adopted and what became of each block."""
+    """What a DeepSpeed config made of a run: the TrainConfig with the JSON's values (``config``) and the fields they
+    set. The config for ``deepspeed.initialize`` is resolved from it when first asked for (``ds_config``, ``line``,
+    or :meth:`resolved_for` the TrainConfig the run ends up with), once."""
 
     config: TrainConfig
-    ds_config: dict[str, Any]
-    line: str
-    fields: frozenset[str] = frozenset()  # the TrainConfig fields whose value came from the DeepSpeed config
+    fields: frozenset[str]  # the TrainConfig fields whose value came from the DeepSpeed config
+    source: dict[str, Any]  # the JSON as read
+    world_size: int
+    on_cpu: bool
+    name: str = DICT_NAME
+    _resolved: dict[int, ResolvedDSConfig] = field(default_factory=dict, repr=False, compare=False)
+
+    def resolved_for(self, config: TrainConfig) -> ResolvedDSConfig:
+        """The config for ``deepspeed.initialize`` for ``config`` (the adopted one, or it after later changes such
+        as a batch re-split on resume), built on the first call for each config and kept."""
+        key = hash(json.dumps(config.to_dict(), sort_keys=True, default=str))
+        if key not in self._resolved:
+            ds, notes = build_ds_config(self.source, config, self.world_size, on_cpu=self.on_cpu, name=self.name)
+            self._resolved[key] = ResolvedDSConfig(ds, notes)
+        return self._resolved[key]
+
+    @property
+    def ds_config(self) -> dict[str, Any]:
+        """The config ``deepspeed.initialize`` gets for the adopted TrainConfig."""
+        return self.resolved_for(self.config).config
+
+    @property
+    def line(self) -> str:
+        """One line saying what the run took from the JSON and what became of each block."""
+        return self.resolved_for(self.config).notes[0]
 
 
 @dataclass
@@ -90,11 +126,13 @@ def adopt_ds_config(
     on_cpu: bool,
     explicit: Collection[str] = (),
     explicit_prefix: str = "TrainConfig.",
+    check: bool = True,
 ) -> Adoption:
     """Take the DeepSpeed config's values into ``config``: they win over its values, except those named in
     ``explicit`` (fields the user set on purpose): a JSON value that differs from one of those is a conflict, and
-    one ``ConfigError`` lists every conflict and every value that cannot work. The result is checked by DeepSpeed's
-    own config parser.
+    one ``ConfigError`` lists every conflict and every value that cannot work. With ``check`` (the default) the result
+    is checked by DeepSpeed's own config parser at once; without, when it is first resolved (``resolved_for``), e.g.
+    after later changes to the TrainConfig, so that it is resolved only once.
 
     Example:
         >>> ref = {"train_batch_size": 128, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"}}
@@ -111,8 +149,10 @@ def adopt_ds_config(
     except ConfigError as exc:
         wheres = ", ".join(f"{k} from {where}" for k, (_, where) in found.values.items())
         raise ConfigError(f"{_title(_name(source))}: {exc} (adopted: {wheres})") from exc
-    final, line = build_ds_config(ds, new, world_size, on_cpu=on_cpu, name=_name(source))
-    return Adoption(new, final, line[0], frozenset(found.values))
+    adoption = Adoption(new, frozenset(found.values), ds, world_size, on_cpu, _name(source))
+    if check:
+        adoption.resolved_for(new)  # DeepSpeed's own parser, now; the result is kept
+    return adoption
 
 
 def build_ds_config(
@@ -158,7 +198,8 @@ def build_ds_config(
     for key, precision in ((bf16_key, "bf16"), ("fp16", "fp16")):
         on = config.precision == precision
         if on or isinstance(ds.get(key), dict):
-            block = ds.get(key) if isinstance(ds.get(key), dict) else {}
+            given = ds.get(key)
+            block: dict[str, Any] = given if isinstance(given, dict) else {}
             ds[key] = {**block, "enabled": on}
     if config.precision == "fp16":
         ds["fp16"].update(initial_scale_power=int(math.log2(config.scaler_init_scale)),

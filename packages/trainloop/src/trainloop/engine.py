@@ -1,67 +1,67 @@
-"""What the Trainer asks of an engine (:class:`Engine`), and the optimizer setup both engines share."""
+"""What the Trainer asks of an engine (:class:`Engine`), the optimizer step both engines share, and
+:func:`make_engine`, which sets up the process group and builds the engine a config names."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from trainloop.clipping import adamw_param_groups
+from trainloop.clipping import ClipGroups, ClipReport, adamw_param_groups
 from trainloop.config import TrainConfig
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+NamedGrads = list[tuple[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """One optimizer step as the engine took it: the clipping (norms before clipping, factors), whether the step was
+    skipped (a non-finite loss or gradient norm: gradients dropped, optimizer state untouched) and the fp16 loss
+    scale (None without one)."""
+
+    clip: ClipReport
+    skipped: bool
+    loss_scale: float | None
+
+
+@runtime_checkable
 class Engine(Protocol):
-    """One optimizer step is ``micro_step`` x grad_accum, ``unscale``, per-group clipping of ``local_grads``,
-    ``after_clip``, then ``step`` (or ``skip`` for a non-finite step). Implemented by ``TorchEngine`` (plain torch,
-    DDP under torchrun) and ``DeepSpeedEngine`` (ZeRO stages 0-3)."""
+    """What the loop needs of an engine, in the order it asks each step: ``backward`` per micro-batch (gradients
+    synchronised only when ``sync``), then one ``clip_and_step``. Implemented by ``TorchEngine`` (plain torch, DDP
+    under torchrun) and ``DeepSpeedEngine`` (ZeRO stages 0-3); :func:`make_engine` builds the one a config names."""
 
     name: str  # "torch" or "deepspeed": recorded in each checkpoint, checked on resume
-    module: torch.nn.Module  # the bare model (no DDP/DeepSpeed wrapper): evaluation, state dicts
-    optimizer: torch.optim.Optimizer  # its param_groups' "lr" is set before every step
-    names: list[str]  # trainable parameter names, in the order local_grads uses
+    module: torch.nn.Module  # the bare model (no DDP/DeepSpeed wrapper): evaluation, state dicts, FLOPs
 
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool, n_micro: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch (gradients synchronised on the last); the detached loss."""
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch of ``n_micro``; gradients synchronised across ranks when
+        ``sync`` (the last micro-batch of a step). Returns the detached loss."""
         ...
 
-    def unscale(self) -> float:
-        """Remove a loss scale from the gradients where the engine can; returns the scale still present."""
-        ...
-
-    def local_grads(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """(name, gradient) pairs this rank holds, and whether their squared sums need an all-reduce (partitioned)."""
-        ...
-
-    def after_clip(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Hand clipped gradients back where ``local_grads`` gave copies (a no-op for views)."""
-        ...
-
-    def full_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """Full gradients on every rank (a collective on partitioned engines)."""
-        ...
-
-    def step(self) -> None: ...
-
-    def skip(self) -> None:
-        """Drop this step's gradients, leaving the optimizer state untouched."""
-        ...
-
-    def loss_scale(self) -> float | None:
-        """The fp16 loss scale, None without one."""
+    def clip_and_step(
+        self,
+        clip: ClipGroups,
+        lr: float,
+        *,
+        loss_finite: bool,
+        inspect: Callable[[NamedGrads], None] | None = None,
+    ) -> StepReport:
+        """Clip the accumulated gradients per group (norms over the full gradients, however they are partitioned),
+        then step at ``lr``, or skip when the ranks' loss (``loss_finite``) or the gradient norm is not finite.
+        ``inspect`` receives the full gradients first (a collective on partitioned engines)."""
         ...
 
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights under the module's state_dict keys (a collective on partitioned engines)."""
-        ...
-
     def save(self, ckpt_dir: Path, client_state: dict[str, Any], rank: int) -> None:
-        """Write this rank's share of the engine state (collective: every rank calls it)."""
+        """Write this rank's share of the engine state, with ``client_state`` beside it (collective: every rank
+        calls it) and the engine's own config files."""
         ...
 
     def load(self, ckpt_dir: Path, saved_world_size: int) -> dict[str, Any]:
@@ -69,9 +69,100 @@ class Engine(Protocol):
         re-partitions it); returns the client state saved with it. Collective."""
         ...
 
-    def config_files(self) -> dict[str, Any]:
-        """JSON documents to keep beside the checkpoint (file name -> content), e.g. the DeepSpeed config."""
-        ...
+
+class SteppingEngine:
+    """The optimizer step of both engines, written once: set the learning rate, unscale, inspect, clip the local
+    gradients per group, hand them back, then step or skip. Each engine supplies the pieces below."""
+
+    config: TrainConfig
+    optimizer: torch.optim.Optimizer
+
+    def clip_and_step(
+        self,
+        clip: ClipGroups,
+        lr: float,
+        *,
+        loss_finite: bool,
+        inspect: Callable[[NamedGrads], None] | None = None,
+    ) -> StepReport:
+        set_lr(self.optimizer, lr)
+        scale = self._unscale()
+        if inspect is not None:
+            inspect(self._full_grads())
+        named, partitioned = self._local_grads()
+        report = clip.clip(named, all_reduce=partitioned, unscale=scale)
+        self._after_clip(named)
+        skipped = not (loss_finite and math.isfinite(report.total_norm))
+        if skipped:
+            self._skip()
+        else:
+            self._step()
+        return StepReport(report, skipped, self._loss_scale())
+
+    # What each engine supplies.
+    def _unscale(self) -> float:
+        """Remove a loss scale from the gradients where the engine can; returns the scale still present."""
+        raise NotImplementedError
+
+    def _local_grads(self) -> tuple[NamedGrads, bool]:
+        """(name, gradient) pairs this rank holds, and whether their squared sums need an all-reduce (partitioned)."""
+        raise NotImplementedError
+
+    def _after_clip(self, named: NamedGrads) -> None:
+        """Hand clipped gradients back where ``_local_grads`` gave copies (a no-op for views)."""
+
+    def _full_grads(self) -> NamedGrads:
+        """Full gradients on every rank (a collective on partitioned engines)."""
+        raise NotImplementedError
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _skip(self) -> None:
+        """Drop this step's gradients, leaving the optimizer state untouched."""
+        raise NotImplementedError
+
+    def _loss_scale(self) -> float | None:
+        return None
+
+
+def trainable_names(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters that train, in ``named_parameters`` order (the clipping groups' input)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def make_engine(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    *,
+    ds_config: dict[str, Any] | str | Path | None = None,
+) -> Engine:
+    """The engine ``config.engine`` names, on this rank's device, after setting up the process group (gloo on CPU,
+    nccl on CUDA; DeepSpeed's communication layer for ``engine="deepspeed"``, even alone).
+
+    ``ds_config`` (``engine="deepspeed"`` only) is a DeepSpeed JSON config (a dict or a file): it is resolved once
+    against ``config`` (:func:`trainloop.build_ds_config`) and that dict is what ``deepspeed.initialize`` gets; a
+    dict that :func:`trainloop.adopt_ds_config` or ``build_ds_config`` already resolved for ``config`` passes as it is.
+
+    Example:
+        >>> import torch
+        >>> engine = make_engine(torch.nn.Linear(4, 1), TrainConfig())
+        >>> engine.name, isinstance(engine, Engine)
+        ('torch', True)
+    """
+    from trainloop.config import ConfigError
+    from trainloop.distributed import setup_distributed
+
+    if ds_config is not None and config.engine != "deepspeed":
+        raise ConfigError(f"ds_config given but TrainConfig.engine={config.engine!r}: set engine='deepspeed'")
+    _, world_size, device = setup_distributed(config.engine, config.dist_timeout_s)
+    if config.engine == "deepspeed":
+        from trainloop.engine_deepspeed import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, config, device, ds_config, world_size)
+    from trainloop.engine_torch import TorchEngine
+
+    return TorchEngine(model, config, device)
 
 
 def make_adamw(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -96,3 +187,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     dtype = AUTOCAST_DTYPES[precision]
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def grads_of(params: Sequence[tuple[str, torch.nn.Parameter]]) -> NamedGrads:
+    """(name, .grad) of the parameters that hold one."""
+    return [(n, p.grad) for n, p in params if p.grad is not None]

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainloop.checkpoint import load_torch, read_weights, save_torch, write_weights
 from trainloop.config import TrainConfig
-from trainloop.engine import autocast, make_adamw
+from trainloop.engine import NamedGrads, SteppingEngine, autocast, grads_of, make_adamw
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -35,7 +35,7 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
-class TorchEngine:
+class TorchEngine(SteppingEngine):
     """AdamW on the model's own parameters; DDP when a process group with more than one rank exists.
 
     Implements :class:`trainloop.engine.Engine`."""
@@ -47,11 +47,12 @@ class TorchEngine:
         self.device = device
         self.module = model.to(device)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.model: torch.nn.Module = (
+        self.ddp = (
             DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
             if self.distributed
-            else model
+            else None
         )
+        self.model: torch.nn.Module = self.ddp if self.ddp is not None else model
         self.optimizer = make_adamw(model, config)
         self.scaler = torch.amp.GradScaler(
             device.type,
@@ -61,62 +62,24 @@ class TorchEngine:
             growth_interval=config.scaler_growth_interval,
             enabled=config.precision == "fp16",
         )
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self._params = [p for p in model.named_parameters() if p[1].requires_grad]
 
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, is_last: bool, n_micro: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch; gradients sync across ranks only on the last one."""
-        sync = contextlib.nullcontext() if (is_last or not self.distributed) else self.model.no_sync()
-        with sync:
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch; DDP all-reduces the gradients only when ``sync``."""
+        no_sync = self.ddp.no_sync() if (self.ddp is not None and not sync) else contextlib.nullcontext()
+        with no_sync:
             with autocast(self.device, self.config.precision):
                 loss = loss_of(self.model(inputs, targets))
             self.scaler.scale(loss / n_micro if n_micro > 1 else loss).backward()
         return loss.detach()
 
-    def unscale(self) -> float:
-        """Remove the loss scale from the gradients; returns the scale still present (always 1 here)."""
-        if self.scaler.is_enabled():
-            self.scaler.unscale_(self.optimizer)
-        return 1.0
-
-    def local_grads(self) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """(name, gradient) pairs this rank holds, and whether their squared sums need an all-reduce (no: DDP
-        already averaged full gradients)."""
-        return [(n, p.grad) for n, p in self._params if p.grad is not None], False
-
-    def after_clip(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """The clipped gradients are the parameters' own: nothing to hand back."""
-
-    def full_grads(self) -> list[tuple[str, torch.Tensor]]:
-        return self.local_grads()[0]
-
-    def step(self) -> None:
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip(self) -> None:
-        """Drop this step's gradients; AdamW skips parameters without a gradient, so its state is untouched."""
-        if self.scaler.is_enabled():
-            self.scaler.update()  # backs the scale off after the inf/NaN found by unscale_
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def loss_scale(self) -> float | None:
-        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None
-
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(self.device, self.config.precision):
             return loss_of(self.module(inputs, targets))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()
-
     def save(self, ckpt_dir: Path, client_state: dict[str, Any], rank: int) -> None:
         if rank == 0:
-            write_weights(self.module, self.full_state_dict(), ckpt_dir)
+            write_weights(self.module, self.module.state_dict(), ckpt_dir)
             state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), **client_state}
             save_torch(state, ckpt_dir / "trainer.pt")
 
@@ -128,5 +91,33 @@ class TorchEngine:
         self.scaler.load_state_dict(state.pop("scaler"))
         return state
 
-    def config_files(self) -> dict[str, Any]:
-        return {}
+    # The pieces of SteppingEngine.clip_and_step.
+    def _unscale(self) -> float:
+        """Remove the loss scale from the gradients; the scale still present is always 1 here."""
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)
+        return 1.0
+
+    def _local_grads(self) -> tuple[NamedGrads, bool]:
+        # DDP already averaged full gradients: no all-reduce of the squared sums.
+        return grads_of(self._params), False
+
+    def _full_grads(self) -> NamedGrads:
+        return grads_of(self._params)
+
+    def _step(self) -> None:
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _skip(self) -> None:
+        """AdamW skips parameters without a gradient, so dropping them leaves its state untouched."""
+        if self.scaler.is_enabled():
+            self.scaler.update()  # backs the scale off after the inf/NaN found by unscale_
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else None

@@ -53,8 +53,9 @@ def checkpoint_bytes(store: Any, module: torch.nn.Module) -> tuple[int, str]:
         manifest, _ = read_manifest(store.step_dir(step))
         if manifest is not None:
             sizes = [e.get("bytes") for e in manifest["files"].values() if isinstance(e, dict)]
-            if sizes and all(isinstance(b, int) for b in sizes):
-                return sum(sizes), f"the size of checkpoint step {step}"
+            counted = [b for b in sizes if isinstance(b, int)]
+            if sizes and len(counted) == len(sizes):
+                return sum(counted), f"the size of checkpoint step {step}"
     n = sum(p.numel() for p in module.parameters())
     return 12 * n, f"estimated as 12 bytes per parameter for {n:,} parameters"
 

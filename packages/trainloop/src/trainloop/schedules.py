@@ -22,7 +22,8 @@ def lr_at(step: int, config: TrainConfig) -> float:
         >>> lr_at(0, cfg), lr_at(500, cfg)
         (1e-06, 0.0003)
     """
-    lr, low, warm, t_max = config.lr, config.min_lr, config.warmup_steps, config.t_max
+    lr, low, warm = config.lr, config.min_lr, config.warmup_steps
+    t_max = config.t_max if config.t_max is not None else config.max_steps
     if step < warm:
         return low + (lr - low) * step / warm
     if config.schedule == "constant":

@@ -1,14 +1,20 @@
-"""Trainer: one visible loop over micro-batches, for the torch and DeepSpeed engines."""
+"""Trainer: one visible loop over micro-batches, for any engine.
+
+Each step the loop accumulates ``grad_accum`` micro-batches through the engine, agrees with the other ranks on the
+loss, the signals and the time in one all-reduce, and has the engine clip and step. Then it asks its policies
+(:mod:`trainloop.state`) whether to evaluate, save or stop; :class:`~trainloop.state.TrainState` is what it
+carries across a resume.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +25,7 @@ from trainloop.checkpoint import CheckpointError, CheckpointStore, load_torch, r
 from trainloop.clipping import ClipGroups
 from trainloop.config import ConfigError, TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, broadcast_json, setup_distributed, teardown_distributed
-from trainloop.engine import Engine, set_lr
-from trainloop.engine_torch import TorchEngine
+from trainloop.engine import Engine, StepReport, make_engine, trainable_names
 from trainloop.evaluation import evaluate
 from trainloop.faults import (
     CollectiveError,
@@ -38,14 +43,40 @@ from trainloop.metrics_logging import (
     format_line,
 )
 from trainloop.schedules import ConfigSchedule, Schedule
+from trainloop.state import Agreement, BestTracker, CheckpointPolicy, EvalPolicy, TrainState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 SIGNAL_STOP = "signal"
-EVAL_SHARE = 0.1  # the most of the training time that evaluations every eval_every_s may take
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: the step number after it, the learning rate it used, what the engine did (clipping,
+    skip, loss scale), the tokens it trained on (all ranks) and what the ranks agreed on after it."""
+
+    step: int
+    lr: float
+    report: StepReport
+    tokens: int
+    consecutive_skips: int
+    agreed: Agreement
+
+    def record(self) -> dict[str, Any]:
+        """The metrics record of the step (metrics.jsonl, the console line, TensorBoard)."""
+        clip = self.report.clip
+        out: dict[str, Any] = {"step": self.step, "loss": self.agreed.loss, "lr": self.lr, "grad_norm": clip.total_norm}
+        for g, norm in clip.norms.items():
+            out[f"grad_norm/{g}"] = norm
+            out[f"clip_factor/{g}"] = clip.factors[g]
+        out["skipped"] = self.consecutive_skips if self.report.skipped else 0
+        if self.report.loss_scale:
+            out["loss_scale"] = self.report.loss_scale
+        return out
 
 
 class Trainer:
-    """Trains any ``nn.Module`` whose ``model(inputs, targets)`` returns a loss (Tensor, ``.loss`` or ``["loss"]``).
+    """Trains any ``nn.Module`` whose ``model(inputs, targets)`` returns a loss (Tensor, ``.loss`` or ``["loss"]``),
+    or a built :class:`~trainloop.engine.Engine` (:func:`~trainloop.engine.make_engine`).
 
     ``train_data`` yields (inputs, targets) micro-batches; with ``state_dict``/``load_state_dict`` its position is
     checkpointed. ``eval_data`` is a zero-argument callable returning an iterable of batches (each rank may yield its
@@ -85,7 +116,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Engine,
         config: TrainConfig,
         train_data: Iterable[Batch],
         *,
@@ -101,9 +132,15 @@ class Trainer:
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
         if eval_data is not None and not callable(eval_data):
             raise TypeError("eval_data must be a zero-argument callable returning an iterable of (inputs, targets)")
-        if ds_config is not None and config.engine != "deepspeed":
-            raise ConfigError(f"ds_config given but TrainConfig.engine={config.engine!r}: set engine='deepspeed'")
         json.dumps(extra_state or {})  # fail now, not at the first checkpoint
+        if isinstance(model, torch.nn.Module):
+            self.engine: Engine = make_engine(model, config, ds_config=ds_config)
+        elif ds_config is not None:
+            raise ConfigError("ds_config given with a built engine: pass it to make_engine instead")
+        else:
+            self.engine = model
+        self.rank, self.world_size, self.device = setup_distributed(config.engine, config.dist_timeout_s)
+        self.is_main = self.rank == 0
         self.config = config
         self.store = CheckpointStore(run_dir)
         self.run_dir = self.store.run_dir
@@ -112,34 +149,38 @@ class Trainer:
         self.bytes_per_token = bytes_per_token
         self.extra_state = dict(extra_state or {})
         self.schedule: Schedule = schedule if schedule is not None else ConfigSchedule(config)
-        self.rank, self.world_size, self.device = setup_distributed(config.engine, config.dist_timeout_s)
-        self.is_main = self.rank == 0
-        self.engine: Engine
-        if config.engine == "deepspeed":
-            from trainloop.engine_deepspeed import DeepSpeedEngine
-
-            self.engine = DeepSpeedEngine(model, config, self.device, ds_config, self.world_size)
-            for note in self.engine.notes:
-                self._say(f"deepspeed config: {note}")
-        else:
-            self.engine = TorchEngine(model, config, self.device)
-        self.clip_groups = ClipGroups(self.engine.names, config.clip_groups, config.clip)
-        self.flops_per_token, self.flops_source = flops_per_token(model, config.flops_per_token)
+        for note in getattr(self.engine, "notes", []):
+            self._say(f"deepspeed config: {note}")
+        self.clip_groups = ClipGroups(trainable_names(self.engine.module), config.clip_thresholds, config.clip)
+        self.flops_per_token, self.flops_source = flops_per_token(self.engine.module, config.flops_per_token)
         self.peak_tflops = config.peak_tflops or detect_peak_tflops(self.device)
-        self.step = 0
-        self.tokens_seen = 0
-        self.consecutive_skips = 0
-        self.total_skips = 0
-        self.train_seconds = 0.0  # training time of earlier processes of this run (resume), see _elapsed
-        self.best: tuple[int, float] | None = None  # (step, eval loss)
-        self.evals_since_best = 0
-        self.next_eval_s = config.eval_every_s
+        self.state = TrainState(next_eval_s=config.eval_every_s)
+        self.eval_policy = EvalPolicy(config)
+        self.best_tracker = BestTracker(config)
+        self.checkpoint_policy = CheckpointPolicy(config)
         self.skipped_checkpoints: list[tuple[Path, str]] = []
         self._signals = StopSignals()
         self._last_saved_step: int | None = None
         self._batch_checked = False
         self._clock = clock
         self._fit_t0 = clock()
+
+    # The loop's state, read by name.
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.state.tokens_seen
+
+    @property
+    def total_skips(self) -> int:
+        return self.state.total_skips
+
+    @property
+    def best(self) -> tuple[int, float] | None:
+        return self.state.best
 
     def close(self) -> None:
         """Destroy the process group this Trainer set up (a no-op for one the caller initialised, or when called
@@ -168,16 +209,16 @@ class Trainer:
 
     def _elapsed(self) -> float:
         """Training seconds of the whole run: earlier processes (from the checkpoint) plus this fit()."""
-        return self.train_seconds + self._clock() - self._fit_t0
+        return self.state.train_seconds + self._clock() - self._fit_t0
 
     def _mean_over_ranks(self, value: float) -> float:
         if self.world_size == 1:
             return value
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64))[0]) / self.world_size
 
-    def _agree(self, loss: torch.Tensor) -> tuple[float, bool, bool, float]:
-        """(mean loss, any rank signalled, any rank past the time budget, mean elapsed seconds) in one all-reduce,
-        so that every rank takes the same decisions (stop, re-plan, evaluate) at the same step."""
+    def _agree(self, loss: torch.Tensor) -> Agreement:
+        """The mean loss, any rank signalled, any rank past the time budget, and the mean elapsed seconds, in one
+        all-reduce, so that every rank takes the same decisions (stop, re-plan, evaluate) at the same step."""
         elapsed = self._elapsed()
         budget = self.config.time_budget_s is not None and elapsed >= self.config.time_budget_s
         vec = torch.tensor(
@@ -187,43 +228,59 @@ class Trainer:
             vec = all_reduce_sum(vec)
             vec[0] /= self.world_size
             vec[3] /= self.world_size
-        return float(vec[0]), bool(vec[1] > 0), bool(vec[2] > 0), float(vec[3])
+        return Agreement(float(vec[0]), bool(vec[1] > 0), bool(vec[2] > 0), float(vec[3]))
+
+    # ----------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the engine's own state: the loop's :class:`TrainState` (its training
+        time brought up to now), the schedule's plan and ``extra_state``, shared by every rank; and under ``"rank"``
+        this rank's RNG states and the data's position (``train_data.state_dict()`` where it has one)."""
+        state = self.state.state_dict() | {"train_seconds": self._elapsed()}
+        loader = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
+        return {"trainer": state, "schedule": self.schedule.state_dict(), "extra_state": self.extra_state,
+                "rank": {"rng": rng_state(), "loader": loader}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        """Restore what :meth:`state_dict` returned. ``rank_state`` is this rank's part; a rank without RNG states in
+        it (None, or ``"rng": None``: the checkpoint was written by fewer ranks) is seeded from the seed, its rank
+        and the step."""
+        # Checkpoints written before TrainState kept its fields at the top level: the same names.
+        self.state.load_state_dict(state.get("trainer", state))
+        self.schedule.load_state_dict(state.get("schedule", {"kind": "config"}))
+        if rank_state is not None and rank_state.get("rng") is not None:
+            set_rng_state(rank_state["rng"])
+        else:
+            self._seed(offset=self.state.step)
+        loader = (rank_state or {}).get("loader")
+        if loader is not None and hasattr(self.train_data, "load_state_dict"):
+            self.train_data.load_state_dict(loader)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> Path:
         """Write a complete checkpoint of the current step on every rank (collective); returns its directory."""
-        tmp = self.store.tmp_dir(self.step)
+        step = self.state.step
+        tmp = self.store.tmp_dir(step)
         if self.is_main:
-            self.store.begin(self.step)
+            self.store.begin(step)
         barrier()
-        client_state = {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "consecutive_skips": self.consecutive_skips,
-            "total_skips": self.total_skips,
-            "train_seconds": self._elapsed(),
-            "best": list(self.best) if self.best else None,
-            "evals_since_best": self.evals_since_best,
-            "next_eval_s": self.next_eval_s,
-            "schedule": self.schedule.state_dict(),
-            "config": self.config.to_dict(),
-            "extra_state": self.extra_state,
-        }
-        self.engine.save(tmp, client_state, self.rank)
-        loader = self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None
-        save_torch({"rng": rng_state(), "loader": loader}, self.store.rank_file(tmp, self.rank))
+        state = self.state_dict()
+        rank_state = state.pop("rank")
+        self.engine.save(tmp, state, self.rank)
+        save_torch(rank_state, self.store.rank_file(tmp, self.rank))
         if self.is_main:
-            files = {"train_config.json": self.config.to_dict(), "extra_state.json": self.extra_state}
-            for name, content in {**files, **self.engine.config_files()}.items():
+            for name, content in {
+                "train_config.json": self.config.to_dict(),
+                "extra_state.json": self.extra_state,
+            }.items():
                 (tmp / name).write_text(json.dumps(content, indent=1))
         barrier()
-        final = self.store.step_dir(self.step)
+        final = self.store.step_dir(step)
         if self.is_main:
-            meta = {"world_size": self.world_size, "engine": self.engine.name, "tokens_seen": self.tokens_seen}
-            self.store.finish(tmp, self.step, meta)
-            self.store.prune(self.config.keep_last, self.step)
+            meta = {"world_size": self.world_size, "engine": self.engine.name, "tokens_seen": self.state.tokens_seen}
+            self.store.finish(tmp, step, meta)
+            self.store.prune(self.config.keep_last, step)
         barrier()
-        self._last_saved_step = self.step
+        self._last_saved_step = step
         self._say(f"saved checkpoint {final}")
         return final
 
@@ -255,25 +312,12 @@ class Trainer:
         own = self.store.rank_file(ckpt, self.rank)
         per_rank = load_torch(own if own.exists() else self.store.rank_file(ckpt, 0))
         try:
-            self.schedule.load_state_dict(state.get("schedule", {"kind": "config"}))
+            # The data's position of rank 0 when this rank has none; the RNG only from the rank's own file.
+            self.load_state_dict(state, per_rank if own.exists() else {"rng": None, "loader": per_rank["loader"]})
         except ValueError as exc:
             raise CheckpointError(f"{ckpt}: {exc}; resume with the schedule the run was started with") from exc
-        self.step = int(state["step"])
-        if own.exists():
-            set_rng_state(per_rank["rng"])
-        else:
-            self._seed(offset=self.step)
-        if per_rank["loader"] is not None and hasattr(self.train_data, "load_state_dict"):
-            self.train_data.load_state_dict(per_rank["loader"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.consecutive_skips = int(state.get("consecutive_skips", 0))
-        self.total_skips = int(state.get("total_skips", 0))
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.best = tuple(state["best"]) if state.get("best") else None
-        self.evals_since_best = int(state.get("evals_since_best", 0))
-        self.next_eval_s = float(state.get("next_eval_s", self.config.eval_every_s))
-        self._last_saved_step = self.step
-        self._say(f"resumed from {ckpt} at step {self.step}")
+        self._last_saved_step = self.state.step
+        self._say(f"resumed from {ckpt} at step {self.state.step}")
 
     # ----------------------------------------------------------------------------------------------- evaluation
     def evaluate(self) -> dict[str, float] | None:
@@ -296,25 +340,21 @@ class Trainer:
 
         The result is all-reduced, so every rank takes the same decisions.
         """
+        step = self.state.step
         result = self.evaluate()
         if result is None:
             if self.eval_data is not None:
-                self._say(f"evaluation at step {self.step} stopped by a signal (on this or another rank): not counted")
+                self._say(f"evaluation at step {step} stopped by a signal (on this or another rank): not counted")
             return None, False
-        logger.log({"step": self.step, **{f"eval_{k}": v for k, v in result.items()}})
-        self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        if self.best is None or result["loss"] < self.best[1]:
-            self.best = (self.step, result["loss"])
-            self.evals_since_best = 0
-            if self.config.keep_best:
-                if self._last_saved_step != self.step:
-                    self.save_checkpoint()
-                if self.is_main:
-                    self.store.mark_best(self.step, "eval_loss", float(result["loss"]))
-        else:
-            self.evals_since_best += 1
-        patience = self.config.early_stopping_patience
-        return result, bool(patience and self.evals_since_best >= patience)
+        logger.log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
+        self._say(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        improved, early = self.best_tracker.observe(self.state, result["loss"])
+        if improved and self.config.keep_best:
+            if self.checkpoint_policy.due_for_best(step, self._last_saved_step):
+                self.save_checkpoint()
+            if self.is_main:
+                self.store.mark_best(step, "eval_loss", float(result["loss"]))
+        return result, early
 
     # ----------------------------------------------------------------------------------------------- one step
     def _next(self, it: Iterator[Batch]) -> Batch | None:
@@ -324,15 +364,11 @@ class Trainer:
             return None
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
-    def train_step(self, it: Iterator[Batch]) -> dict[str, Any] | None:
-        """Accumulate ``grad_accum`` micro-batches, clip per group, step (or skip a non-finite step).
-
-        Returns the step's record (with the ranks' agreed ``signal``, ``budget`` and ``elapsed``), or None when the
-        data ran out before the step began.
-        """
-        cfg = self.config
-        lr = self.schedule.lr(self.step)
-        set_lr(self.engine.optimizer, lr)
+    def train_step(self, it: Iterator[Batch]) -> StepResult | None:
+        """Accumulate ``grad_accum`` micro-batches, agree with the other ranks, clip per group and step (or skip a
+        non-finite step). Returns the step's result, or None when the data ran out before the step began."""
+        cfg, state = self.config, self.state
+        lr = self.schedule.lr(state.step)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for micro in range(cfg.grad_accum):
@@ -349,41 +385,26 @@ class Trainer:
                         f"warning: train_data yields {inputs.shape[0]} rows per micro-batch, TrainConfig.micro_batch="
                         f"{cfg.micro_batch}: the loop trains on what it gets (DeepSpeed's batch sizes use micro_batch)"
                     )
-            loss_sum += self.engine.micro_step(inputs, targets, micro == cfg.grad_accum - 1, cfg.grad_accum)
+            loss_sum += self.engine.backward(inputs, targets, sync=micro == cfg.grad_accum - 1, n_micro=cfg.grad_accum)
             tokens += targets.numel()
-        loss_scale = self.engine.unscale()
-        if self.step + 1 in cfg.inspect_steps:
+        agreed = self._agree(loss_sum / cfg.grad_accum)
+        inspect = None
+        if state.step + 1 in cfg.inspect_steps:
             from trainloop.gradient_inspector import inspect_gradients
 
-            inspect_gradients(self.engine.full_grads(), self.run_dir / "inspect", self.step + 1, self.clip_groups,
-                              write=self.is_main)  # fmt: skip
-        named, partitioned = self.engine.local_grads()
-        report = self.clip_groups.clip(named, all_reduce=partitioned, unscale=loss_scale)
-        self.engine.after_clip(named)
-        loss, signal, budget, elapsed = self._agree(loss_sum / cfg.grad_accum)
-        skipped = False
-        if math.isfinite(loss) and math.isfinite(report.total_norm):
-            self.engine.step()
-            self.consecutive_skips = 0
-        else:
-            self.engine.skip()
-            skipped = True
+            def inspect(grads):
+                inspect_gradients(grads, self.run_dir / "inspect", state.step + 1, self.clip_groups, write=self.is_main)
+
+        report = self.engine.clip_and_step(self.clip_groups, lr, loss_finite=np.isfinite(agreed.loss), inspect=inspect)
+        if not report.skipped:
+            state.consecutive_skips = 0
+        elif not (cfg.precision == "fp16" and np.isfinite(agreed.loss)):
             # fp16 overflow with a finite loss is GradScaler's business: it backs the scale off, not a fault.
-            if not (cfg.precision == "fp16" and math.isfinite(loss)):
-                self.consecutive_skips += 1
-                self.total_skips += 1
-        self.step += 1
-        self.tokens_seen += tokens * self.world_size
-        record: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": report.total_norm}
-        for g in self.clip_groups.group_names:
-            record[f"grad_norm/{g}"] = report.norms[g]
-            record[f"clip_factor/{g}"] = report.factors[g]
-        record["tokens"] = tokens * self.world_size
-        record["skipped"] = self.consecutive_skips if skipped else 0
-        if loss_scale := self.engine.loss_scale():
-            record["loss_scale"] = loss_scale
-        record.update(signal=signal, budget=budget, elapsed=elapsed)
-        return record
+            state.consecutive_skips += 1
+            state.total_skips += 1
+        state.step += 1
+        state.tokens_seen += tokens * self.world_size
+        return StepResult(state.step, lr, report, tokens * self.world_size, state.consecutive_skips, agreed)
 
     # ----------------------------------------------------------------------------------------------- the loop
     def fit(self, resume: bool = False, *, overwrite: bool = False, verify: str = "sizes") -> dict[str, Any]:
@@ -404,7 +425,7 @@ class Trainer:
                 self._say(f"skipping incomplete checkpoint {path.name}: {reason}")
             if ckpt is not None:
                 self.load_checkpoint(ckpt)
-                resume_step = self.step
+                resume_step = self.state.step
                 self._fit_t0 = self._clock()  # training time restarts after the load (train_seconds holds the past)
             else:
                 self._say(f"no complete checkpoint under {self.run_dir}: starting from step 0")
@@ -426,19 +447,20 @@ class Trainer:
         # Handlers stay installed until the final checkpoint is written: a signal during the final evaluation or
         # save only sets the flag.
         self._signals.install()
+        summary: dict[str, Any] = {"stopped": None, "eval": None, "loss": None}
         try:
-            summary = self._loop(logger)
-            if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and summary["eval_step"] != self.step:
+            summary["stopped"], evaluated_at = self._loop(logger, summary)
+            if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and evaluated_at != self.state.step:
                 summary["eval"], _ = self._eval_and_track(logger)
                 if summary["eval"] is None:  # a signal stopped it: the run was preempted, save and go
                     summary["stopped"] = SIGNAL_STOP
-            ckpt = self.save_checkpoint() if self._last_saved_step != self.step else None
+            ckpt = self.save_checkpoint() if self._last_saved_step != self.state.step else None
         except Exception as exc:
             if disk_full(exc):
-                raise disk_full_error(exc, self.store, self.engine.module, self.step) from exc
+                raise disk_full_error(exc, self.store, self.engine.module, self.state.step) from exc
             if self.world_size > 1 and collective_failure(exc):
                 raise CollectiveError(
-                    f"rank {self.rank}: a collective operation failed at step {self.step} ({type(exc).__name__}: "
+                    f"rank {self.rank}: a collective operation failed at step {self.state.step} ({type(exc).__name__}: "
                     f"{str(exc).splitlines()[0] if str(exc) else ''}). Another rank most likely died or hung: read "
                     f"its log. Collectives wait at most TrainConfig.dist_timeout_s={self.config.dist_timeout_s} s."
                 ) from exc
@@ -448,17 +470,17 @@ class Trainer:
             logger.close()
         if summary["stopped"] == SIGNAL_STOP:
             summary["stopped"] = self._signals.received or "signal on another rank"
+        best = self.state.best
         summary.update(
-            step=self.step,
-            tokens_seen=self.tokens_seen,
-            checkpoint=str(ckpt or self.store.step_dir(self.step)),
-            best={"step": self.best[0], "eval_loss": self.best[1]} if self.best else None,
-            total_skips=self.total_skips,
+            step=self.state.step,
+            tokens_seen=self.state.tokens_seen,
+            checkpoint=str(ckpt or self.store.step_dir(self.state.step)),
+            best={"step": best[0], "eval_loss": best[1]} if best else None,
+            total_skips=self.state.total_skips,
             wall_s=time.perf_counter() - wall_t0,
         )
-        del summary["eval_step"]
-        best = f", best at step {self.best[0]} (eval loss {self.best[1]:.4f})" if self.best else ""
-        self._say(f"stopped: {summary['stopped'] or 'planned end'} at step {self.step}{best}")
+        note = f", best at step {best[0]} (eval loss {best[1]:.4f})" if best else ""
+        self._say(f"stopped: {summary['stopped'] or 'planned end'} at step {self.state.step}{note}")
         return summary
 
     def _start_fresh(self, overwrite: bool) -> None:
@@ -475,76 +497,98 @@ class Trainer:
             self.store.clear()
         barrier()
 
-    def _loop(self, logger: MetricsLogger) -> dict[str, Any]:
-        cfg = self.config
-        bar = None
-        if cfg.progress and self.is_main and sys.stderr.isatty() and not os.environ.get("TQDM_DISABLE"):
+    def _loop(self, logger: MetricsLogger, summary: dict[str, Any]) -> tuple[str | None, int | None]:
+        """Steps until something stops the run; returns (why, the step of the last evaluation) and keeps the last
+        loss and evaluation in ``summary``. Running to the schedule's last step returns None as the reason."""
+        evaluated_at = None
+        with _Progress(self, logger) as progress, _anomaly(self.config.detect_anomaly):
+            it = iter(self.train_data)
+            while self.state.step < self.schedule.max_steps:
+                result = self.train_step(it)
+                if result is None:
+                    return "data_exhausted", evaluated_at
+                summary["loss"] = result.agreed.loss
+                progress.step(result)
+                if result.agreed.signal:
+                    return SIGNAL_STOP, evaluated_at
+                early = False
+                last = self.state.step >= self.schedule.max_steps or result.agreed.over_budget
+                if self.eval_policy.due(self.state, result.agreed.elapsed, last=last):
+                    summary["eval"], early, evaluated_at = *self._timed_eval(logger, result.agreed), self.state.step
+                if self.checkpoint_policy.due(self.state.step, self._last_saved_step):
+                    self.save_checkpoint()
+                if early or result.agreed.over_budget:
+                    return ("early_stopping" if early else "time_budget"), evaluated_at
+        return None, evaluated_at
+
+    def _timed_eval(self, logger: MetricsLogger, agreed: Agreement) -> tuple[dict[str, float] | None, bool]:
+        t0 = self._clock()
+        result, early = self._eval_and_track(logger)
+        self.eval_policy.after(self.state, agreed.elapsed, self._mean_over_ranks(self._clock() - t0))
+        return result, early
+
+
+class _Progress:
+    """What each step shows: the schedule's re-plans, the progress bar (rank 0 on a terminal), and every
+    ``log_every`` steps (and every skipped step) the logged record with throughput; the non-finite stop."""
+
+    def __init__(self, trainer: Trainer, logger: MetricsLogger) -> None:
+        self.trainer, self.logger = trainer, logger
+        self.bar: Any = None
+        self.window_tokens, self.window_t0 = 0, trainer._clock()
+
+    def __enter__(self) -> _Progress:
+        t, cfg = self.trainer, self.trainer.config
+        if cfg.progress and t.is_main and sys.stderr.isatty() and not os.environ.get("TQDM_DISABLE"):
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=self.schedule.max_steps, initial=self.step, desc="train", dynamic_ncols=True, leave=False)
-        it = iter(self.train_data)
-        summary: dict[str, Any] = {"stopped": None, "eval": None, "eval_step": None, "loss": None}
-        window_tokens, window_t0 = 0, self._clock()
-        anomaly = torch.autograd.set_detect_anomaly(True) if cfg.detect_anomaly else None
-        try:
-            while self.step < self.schedule.max_steps:
-                record = self.train_step(it)
-                if record is None:
-                    summary["stopped"] = "data_exhausted"
-                    break
-                signal, budget, elapsed = record.pop("signal"), record.pop("budget"), record.pop("elapsed")
-                summary["loss"] = record["loss"]
-                window_tokens += record.pop("tokens")
-                if (message := self.schedule.observe(self.step, elapsed)) is not None:
-                    self._say(message, bar)
-                    if bar is not None:
-                        bar.total = self.schedule.max_steps
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
-                if self.step % cfg.log_every == 0 or record["skipped"]:
-                    now = self._clock()
-                    tps = window_tokens / max(now - window_t0, 1e-9)
-                    window_tokens, window_t0 = 0, now
-                    record["tokens_seen"] = self.tokens_seen
-                    add_throughput(record, tps, self.device, self.flops_per_token, self.peak_tflops, self.world_size)
-                    logger.log(record)
-                    self._say(format_line(record), bar)
-                if self.consecutive_skips >= cfg.max_consecutive_skips:
-                    raise NonFiniteLossError(
-                        f"{self.consecutive_skips} consecutive steps (to step {self.step}) had a non-finite loss or "
-                        f"gradient norm (last loss {record['loss']}, grad norm {record['grad_norm']}). Try a lower lr "
-                        f"(now {record['lr']:.3g}), a longer warmup, tighter clipping, precision='bf16' instead of "
-                        "'fp16', or detect_anomaly=True to find the operation that produced it; check the data for "
-                        "out-of-range token ids."
-                    )
-                if signal:
-                    summary["stopped"] = SIGNAL_STOP
-                    break
-                early = False
-                last = self.step >= self.schedule.max_steps or budget
-                by_time = cfg.eval_every_s > 0 and elapsed >= self.next_eval_s
-                if by_time:
-                    while self.next_eval_s <= elapsed:
-                        self.next_eval_s += cfg.eval_every_s
-                if not last and ((cfg.eval_every and self.step % cfg.eval_every == 0) or by_time):
-                    t0 = self._clock()
-                    summary["eval"], early = self._eval_and_track(logger)
-                    summary["eval_step"] = self.step
-                    if cfg.eval_every_s:
-                        # Timed evaluations (and the best checkpoints they save) take at most EVAL_SHARE of the
-                        # time: the next one waits for cost / EVAL_SHARE seconds. The ranks' mean cost keeps the
-                        # decision identical everywhere.
-                        cost = self._mean_over_ranks(self._clock() - t0)
-                        self.next_eval_s = max(self.next_eval_s, elapsed + cost / EVAL_SHARE)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self._last_saved_step != self.step:
-                    self.save_checkpoint()
-                if early or budget:
-                    summary["stopped"] = "early_stopping" if early else "time_budget"
-                    break
-        finally:
-            if anomaly is not None:
-                torch.autograd.set_detect_anomaly(False)
-            if bar is not None:
-                bar.close()
-        return summary
+            self.bar = tqdm(total=t.schedule.max_steps, initial=t.state.step, desc="train", dynamic_ncols=True,
+                            leave=False)  # fmt: skip
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def step(self, result: StepResult) -> None:
+        t, cfg = self.trainer, self.trainer.config
+        record = result.record()
+        self.window_tokens += result.tokens
+        if (message := t.schedule.observe(result.step, result.agreed.elapsed)) is not None:
+            t._say(message, self.bar)
+            if self.bar is not None:
+                self.bar.total = t.schedule.max_steps
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+        if result.step % cfg.log_every == 0 or record["skipped"]:
+            now = t._clock()
+            tps = self.window_tokens / max(now - self.window_t0, 1e-9)
+            self.window_tokens, self.window_t0 = 0, now
+            record["tokens_seen"] = t.state.tokens_seen
+            add_throughput(record, tps, t.device, t.flops_per_token, t.peak_tflops, t.world_size)
+            self.logger.log(record)
+            t._say(format_line(record), self.bar)
+        if t.state.consecutive_skips >= cfg.max_consecutive_skips:
+            raise NonFiniteLossError(
+                f"{t.state.consecutive_skips} consecutive steps (to step {result.step}) had a non-finite loss or "
+                f"gradient norm (last loss {record['loss']}, grad norm {record['grad_norm']}). Try a lower lr "
+                f"(now {record['lr']:.3g}), a longer warmup, tighter clipping, precision='bf16' instead of "
+                "'fp16', or detect_anomaly=True to find the operation that produced it; check the data for "
+                "out-of-range token ids."
+            )
+
+
+class _anomaly:
+    """``torch.autograd.set_detect_anomaly`` for the loop's duration when asked for."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        if self.on:
+            torch.autograd.set_detect_anomaly(True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            torch.autograd.set_detect_anomaly(False)

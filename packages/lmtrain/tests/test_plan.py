@@ -1,0 +1,113 @@
+"""The run plan as a value: plan_run writes nothing, asks for the step times it needs, keeps the user's word, says
+what it decided; train() runs the plan and resolves a DeepSpeed config once."""
+
+import json
+import os
+
+import pytest
+
+from lmtrain.errors import LmtrainError
+from lmtrain.plan import DataInfo, TrainRequest, World, plan_run
+from lmtrain.run_files import read_meta
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from lmtrain.demo import tiny_data
+
+    return tiny_data(tmp_path_factory.mktemp("plan"))
+
+
+def _info(data, saved=None):
+    return DataInfo(read_meta(data), train_tokens=30_000, saved_run=saved)
+
+
+def test_planning_writes_nothing_and_is_repeatable(data, tmp_path):
+    before = sorted(os.listdir(data))
+    request = TrainRequest(data=str(data), out=str(tmp_path / "run"), recipe="tiny", time_budget_s=60,
+                           overrides={"lr": "2e-3", "model.dropout": 0.05})  # fmt: skip
+    world = World(cpu_count=2, step_s={1: 0.05, 2: 0.08}, elapsed_s=10.0)
+    first, second = plan_run(request, _info(data), world), plan_run(request, _info(data), world)
+    assert first.to_json() == second.to_json() and first.lines() == second.lines()
+    assert sorted(os.listdir(data)) == before and not (tmp_path / "run").exists()
+    assert first.train.lr == 2e-3 and first.model.dropout == 0.05  # the string converted, the float taken as is
+    assert {"lr", "dropout"} <= first.fixed
+
+
+def test_a_budget_asks_for_step_times_then_charges_the_setup(data, tmp_path):
+    request = TrainRequest(data=str(data), out=str(tmp_path / "run"), recipe="tiny", time_budget_s=60)
+    draft = plan_run(request, _info(data), World(cpu_count=2))
+    assert draft.time_threads == (1, 2) and draft.train.time_budget_s == 60.0  # nothing sized yet
+    plan = plan_run(request, _info(data), World(cpu_count=2, step_s={1: 0.08, 2: 0.05}, elapsed_s=12.5))
+    assert plan.time_threads == () and plan.cpu_threads == 2 and plan.step_s == 0.05
+    assert plan.train.time_budget_s == 60.0 - 12.5 and plan.train.schedule == "wsd" and plan.budgeted
+    assert plan.first_guess == int(2 * 47.5 / 0.05)
+    assert any(line.startswith("plan: the budget buys about") for line in plan.lines())
+    # With the threads fixed by the environment, only the threads in use are timed.
+    fixed = plan_run(request, _info(data), World(cpu_count=2, threads_fixed=True, threads_now=2))
+    assert fixed.time_threads == (2,)
+    # Steps given by hand: the budget only caps the run, nothing is timed.
+    capped = plan_run(TrainRequest(data=str(data), out="r", recipe="tiny", time_budget_s=60, max_steps=50),
+                      _info(data), World(threads_fixed=True))  # fmt: skip
+    assert not capped.budgeted and capped.train.max_steps == 50 and capped.time_threads == ()
+
+
+def test_a_resumed_run_keeps_its_configs_and_says_what_it_ignored(data, tmp_path):
+    fresh = plan_run(TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny", max_steps=8),
+                     _info(data), World(threads_fixed=True))  # fmt: skip
+    saved = json.loads(json.dumps(fresh.to_json()))
+    request = TrainRequest(data=str(data), out=str(tmp_path), recipe="cpu-small", resume=True)
+    resumed = plan_run(request, _info(data, saved), World(threads_fixed=True, world_size=2))
+    assert resumed.recipe == "tiny" and resumed.model.to_dict() == fresh.model.to_dict()
+    assert resumed.train.grad_accum * resumed.train.micro_batch * 2 == fresh.train.micro_batch * fresh.train.grad_accum
+    assert any("--preset cpu-small ignored" in line for line in resumed.lines())
+    assert any(line.startswith("resuming a run of 1 rank(s) on 2") for line in resumed.lines())
+    assert resumed.to_json()["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("request_args", "message"),
+    [
+        ({"recipe": "nope"}, "--preset 'nope' is unknown"),
+        ({"overrides": {"lerning_rate": 1}}, "did you mean"),
+        ({"overrides": {"sampler": "epoch"}, "data": "mix.json"}, "a blend draws its windows at random"),
+        ({"overrides": {"vocab_size": 10}}, "token ids would index past the embedding table"),
+    ],
+)
+def test_bad_requests_are_one_line(data, request_args, message):
+    args = {"data": str(data), "out": "r", "recipe": "tiny", **request_args}
+    if args["data"] == "mix.json":
+        spec = {"sources": [{"path": "train.bin", "weight": 1.0}]}
+        (data / "mix.json").write_text(json.dumps(spec))
+        args["data"] = str(data / "mix.json")
+    with pytest.raises(LmtrainError, match=message) as info:
+        plan_run(TrainRequest(**args), _info(data), World(threads_fixed=True))
+    assert "\n" not in str(info.value)
+
+
+def test_train_resolves_a_deepspeed_config_once_and_hands_deepspeed_the_dict(data, tmp_path, monkeypatch):
+    import trainloop.ds_config as ds_config
+    import trainloop.engine_deepspeed as engine_deepspeed
+
+    deepspeed = pytest.importorskip("deepspeed")
+    calls, given = [], []
+    real_build, real_initialize = ds_config.build_ds_config, deepspeed.initialize
+
+    def counting_build(*args, **kwargs):
+        calls.append(args[0])
+        return real_build(*args, **kwargs)
+
+    def recording_initialize(*args, config, **kwargs):
+        given.append(config)
+        return real_initialize(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(ds_config, "build_ds_config", counting_build)
+    monkeypatch.setattr(engine_deepspeed, "build_ds_config", counting_build)
+    monkeypatch.setattr(deepspeed, "initialize", recording_initialize)
+    from lmtrain import train
+
+    summary = train(data, tmp_path / "run", recipe="tiny", max_steps=2, quiet=True,
+                    deepspeed={"zero_optimization": {"stage": 2}}, overrides={"cpu_threads": 1})  # fmt: skip
+    assert summary.step == 2
+    assert len(calls) == 1  # the adoption's: the plan and the engine reused it
+    assert isinstance(given[0], dict) and given[0] == summary.plan.ds_config.config

@@ -1,0 +1,134 @@
+"""Every use of DeepSpeed's internals, in one place, checked against the releases it was written for.
+
+The DeepSpeed engine uses DeepSpeed's public API where there is one (``initialize``, ``save_checkpoint``,
+``load_checkpoint``, ``safe_get_full_grad``, ``safe_get_full_fp32_param``, ``safe_get/set_local_grad``); what it
+needs beyond that is here:
+
+- the gradient fragment a ZeRO-1/2 rank owns (``param._hp_mapping``), for per-group clipping without a gather;
+- skipping a non-finite step through the ZeRO-1/2 optimizer's own overflow path (its ``check_grad_overflow``,
+  ``check_overflow`` and ``overflow``), so that gradients are dropped and the optimizer state is untouched;
+- loading a universal checkpoint into an engine built without that setting (``engine._config``), and converting
+  a checkpoint to one (``deepspeed.checkpoint.ds_to_universal.main``'s arguments).
+
+:data:`TESTED` lists the releases the tests ran on (``nox -s deepspeed_lower_bound`` tests the oldest, CI the
+newest); :func:`check_version` refuses a release outside the range the package's ``deepspeed`` extra admits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainloop.config import ConfigError
+
+# The releases this module was tested against: the lowest and the highest the `deepspeed` extra admits.
+TESTED = ("0.18.0", "0.19.8")
+SUPPORTED = ((0, 18, 0), (0, 20, 0))  # [lowest, first unsupported)
+
+
+def _release(version: str) -> tuple[int, int, int]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) or "0"
+        parts.append(int(digits))
+    while len(parts) < 3:
+        parts.append(0)
+    return parts[0], parts[1], parts[2]
+
+
+def check_version(version: str) -> None:
+    """Raise ``ConfigError`` in one line for a DeepSpeed release outside :data:`SUPPORTED`.
+
+    Example:
+        >>> check_version("0.19.8")
+        >>> check_version("0.16.0")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        trainloop.config.ConfigError: DeepSpeed 0.16.0 is not supported: trainloop's DeepSpeed engine needs >=0.18.0,...
+    """
+    low, high = SUPPORTED
+    if not low <= _release(version) < high:
+        span = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+        raise ConfigError(
+            f"DeepSpeed {version} is not supported: trainloop's DeepSpeed engine needs {span} (tested: "
+            f'{", ".join(TESTED)}); pip install "lmtools-trainloop[deepspeed]" installs one'
+        )
+
+
+def local_fragment(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's piece of the reduced gradient of a ZeRO-1/2 parameter (a view: scaling it scales the grad), or
+    None for a parameter without a ZeRO mapping."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    frag = mapping.get_lp_grad_fragment(param._index_in_param_group)  # type: ignore[attr-defined]
+    addr = mapping.lp_fragment_address
+    flat = frag.view(-1)
+    # The bf16 optimizer keeps a full-size accumulation buffer; only the owned slice counts (as in DeepSpeed's own
+    # get_full_hp_grad), otherwise every rank would add the whole gradient.
+    if flat.numel() == param.numel() and addr.numel != param.numel():
+        flat = flat.narrow(0, addr.start, addr.numel)
+    return flat
+
+
+def has_zero_mapping(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "_hp_mapping")
+
+
+def skip_zero12_step(engine: Any, optimizer: Any) -> None:
+    """Take a ZeRO-1/2 boundary step as an overflow: DeepSpeed drops the gradients and leaves the optimizer state
+    (and, in bf16/fp32, the loss scale) as it was. The overflow flag is cleared afterwards: releases before 0.19.8
+    cleared it only in their fp16 path, so every later bf16/fp32 step would have been skipped too."""
+    saved = optimizer.check_grad_overflow
+    optimizer.check_grad_overflow = True
+    optimizer.check_overflow = lambda partition_gradients=True: setattr(optimizer, "overflow", True)
+    try:
+        engine.step()
+    finally:
+        del optimizer.check_overflow
+        optimizer.check_grad_overflow = saved
+        optimizer.overflow = False
+
+
+def skip_zero3_step(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """ZeRO-3 treats a non-finite gradient norm as an overflow and skips: hand it NaN gradients."""
+    from deepspeed.utils import safe_set_local_grad
+
+    for _, p in params:
+        safe_set_local_grad(p, torch.full_like(p.ds_tensor, float("nan"), dtype=torch.float32))  # type: ignore[attr-defined]
+    engine.step()
+
+
+@contextlib.contextmanager
+def loading_universal(engine: Any):
+    """Within the block, ``engine.load_checkpoint`` reads DeepSpeed's universal format (a setting DeepSpeed
+    otherwise takes only at initialisation)."""
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = False
+
+
+def to_universal(tag_dir: Path, out_tag_dir: Path) -> None:
+    """Convert one ZeRO-1/2 checkpoint tag into DeepSpeed's universal checkpoint (any world size loads it)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    if out_tag_dir.exists():
+        shutil.rmtree(out_tag_dir)
+    args = argparse.Namespace(
+        input_folder=str(tag_dir),
+        output_folder=str(out_tag_dir),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress lines would interleave with the run's log
+        ds_to_universal(args)
