@@ -1,6 +1,8 @@
-"""A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates."""
+"""A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates,
+and the CPU settings of a fast training step."""
 
 from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
+from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
 from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
 from lmcore.init_schemes import (
@@ -27,11 +29,14 @@ __all__ = [
     "KVCache",
     "LMOutput",
     "LoRALinear",
+    "MatmulProbe",
     "MemoryEstimate",
     "ModelConfig",
     "__version__",
     "apply_lora",
     "check_token_ids",
+    "cpu_has_native_bf16",
+    "cpu_matmul_library",
     "document_boundaries",
     "estimate_memory",
     "flops_per_token",
@@ -45,5 +50,6 @@ __all__ = [
     "load_lora",
     "merge_lora",
     "n_params",
+    "route_cpu_matmuls",
     "save_lora",
 ]
