@@ -1,6 +1,7 @@
 """A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates,
 and the CPU settings of a fast training step."""
 
+from lmcore.compiled import compile_model
 from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
 from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
 from lmcore.documents import Documents, document_boundaries
@@ -35,6 +36,7 @@ __all__ = [
     "__version__",
     "apply_lora",
     "check_token_ids",
+    "compile_model",
     "cpu_has_native_bf16",
     "cpu_matmul_library",
     "document_boundaries",
