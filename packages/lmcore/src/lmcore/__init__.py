@@ -19,12 +19,14 @@ from lmcore.init_schemes import (
 from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
 from lmcore.memory import MemoryEstimate, estimate_memory
 from lmcore.model import GPT, KVCache, LMOutput, check_token_ids
+from lmcore.step_timing import StepTiming, choose_threads, time_step
 from lmcore.version import __version__
 
 __all__ = [
     "GPT",
     "INIT_FUNCTIONS",
     "PRESETS",
+    "StepTiming",
     "Documents",
     "InitReport",
     "KVCache",
@@ -36,6 +38,7 @@ __all__ = [
     "__version__",
     "apply_lora",
     "check_token_ids",
+    "choose_threads",
     "compile_model",
     "cpu_has_native_bf16",
     "cpu_matmul_library",
@@ -54,4 +57,5 @@ __all__ = [
     "n_params",
     "route_cpu_matmuls",
     "save_lora",
+    "time_step",
 ]
