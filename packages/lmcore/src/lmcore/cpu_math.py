@@ -72,7 +72,9 @@ def cpu_has_native_bf16(flags: Iterable[str] | None = None) -> bool:
     What a planner's rule can cite (docs/benchmarks.md, "A training step at the machine's limit"): on a 2-core
     Xeon with AVX512_BF16 and AMX, cpu-small trained 600 steps on TinyShakespeare (seeds 0, 1, 2) reached
     2.3518, 2.3448, 2.3546 bits/char in fp32 and 2.3561, 2.3405, 2.3489 with bf16 autocast: bf16 minus fp32
-    +0.004, -0.004, -0.006, inside the 0.010 spread between seeds, while its step took 0.6x the CPU time.
+    +0.004, -0.004, -0.006, inside the 0.010 spread between seeds. A bf16 step there took 0.66-0.67x the CPU time
+    of an fp32 one (one thread); with AMX masked (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, AVX512_BF16 kernels only)
+    it took 1.28-1.32x, slower. So the flag says bf16 is native, not that it is faster: time a step of each.
 
     Example:
         >>> cpu_has_native_bf16({"avx512f", "avx512_bf16"}), cpu_has_native_bf16({"avx512f", "avx2"})
