@@ -186,3 +186,31 @@ def test_the_device_side_check_still_rejects_out_of_range_ids(cuda_branch, bad):
     # On CPU torch._assert_async raises at once; on CUDA the same message comes with the device-side assert.
     with pytest.raises(RuntimeError, match=r"outside \[0, vocab_size=97\)"):
         tiny()(torch.tensor([[1, bad]]))
+
+
+@pytest.fixture
+def cuda_ids_branch(monkeypatch):
+    """GPT.forward's id check as on CUDA (asynchronous), with alibi-kernels' real torch path for attention."""
+    monkeypatch.setattr(lmcore.model, "_ids_checked_on_host", lambda device: False)
+
+
+def test_the_torch_path_reads_the_slopes_once_then_never(monkeypatch, cuda_ids_branch):
+    from alibi_kernels import clear_bias_cache
+
+    clear_bias_cache()
+    model = tiny().eval()
+    with host_reads(monkeypatch) as first, torch.no_grad():
+        expected = model(IDS).logits
+    with host_reads(monkeypatch) as later, torch.no_grad():
+        model(IDS)
+        model(IDS[:, :5])  # another length: a new bias from the slopes' values already read
+    assert first == ["Tensor.tolist"] * model.config.n_layer  # each layer's slopes buffer, once
+    assert later == []
+    # An in-place change of the slopes is a new version: read again, and the bias follows it.
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.slopes.mul_(4)
+    changed = model(IDS).logits
+    clear_bias_cache()
+    torch.testing.assert_close(model(IDS).logits, changed)
+    assert not torch.allclose(changed, expected)

@@ -4,6 +4,13 @@ GQA/MQA never copies k/v: the Hq = Hkv * G query heads are folded into the query
 q (B, Hq, Tq, D) -> (B, Hkv, G * Tq, D), so each k/v head is attended by its G query heads in one SDPA call
 (works on every torch version and every SDPA backend, unlike `enable_gqa`, which needs torch >= 2.5).
 Packed documents (`cu_seqlens`) loop over the documents, each a (1, H, T_doc, D) view of the packed tensors.
+
+No host read per call: the bias cache is keyed by the slopes' values, read once per slopes tensor and version
+(an identity key: storage, layout, version counter), so equal slopes (every layer of a model) share one bias and
+a step reads nothing. Under `torch.compile` the bias is built inside the graph instead, which then has no break.
+With fp32 GEMMs routed to oneDNN (`torch.backends.mkldnn.matmul.fp32_precision` other than "none" or "ieee"),
+SDPA runs with the setting at "ieee", forward and backward: its flash kernel's many small GEMMs are several
+times slower through oneDNN (lmcore's docs/benchmarks.md section on the training step).
 """
 
 from __future__ import annotations
@@ -66,6 +73,53 @@ class _BiasCache:
 _CACHE = _BiasCache(_CACHE_MAX_ENTRIES)
 
 
+class _SlopeValues:
+    """The Python values of slopes tensors, read on the host once per tensor and version, kept in a small LRU.
+
+    Keyed by identity: device, storage address, offset, shape, stride, dtype and the version counter (bumped by
+    every in-place write, `no_grad` ones included). Each entry holds its tensor, so the storage cannot be freed
+    and its address reused by other values while the entry lives. A write through `.data` bypasses the version
+    counter and is not seen (call `clear_bias_cache()` after one). Inference tensors have no version counter:
+    their values are read on every call.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, slopes: torch.Tensor) -> tuple[float, ...]:
+        if slopes.is_inference():
+            return tuple(slopes.flatten().tolist())
+        key = (
+            str(slopes.device),
+            slopes.untyped_storage().data_ptr(),
+            slopes.storage_offset(),
+            tuple(slopes.shape),
+            slopes.stride(),
+            slopes.dtype,
+            slopes._version,
+        )
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key][1]
+        values = tuple(slopes.detach().flatten().tolist())  # the one host read for this tensor and version
+        with self._lock:
+            self._entries[key] = (slopes, values)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return values
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# Several models' layers, each with its own slopes buffer, fit before one is read again.
+_SLOPE_VALUES = _SlopeValues(256)
+
+
 def bias_cache_info() -> dict[str, int]:
     """Hits, misses and size of the torch path's bias cache (for tests and tuning).
 
@@ -82,8 +136,46 @@ def bias_cache_info() -> dict[str, int]:
 
 
 def clear_bias_cache() -> None:
-    """Drop every cached bias tensor (they may hold GPU memory)."""
+    """Drop every cached bias tensor (they may hold GPU memory) and the slopes' values read so far."""
     _CACHE.clear()
+    _SLOPE_VALUES.clear()
+
+
+_MATMUL = torch.backends.mkldnn.matmul
+# fp32_precision values that keep fp32 GEMMs on the BLAS library (MKL), not oneDNN.
+_UNROUTED = ("none", "ieee")
+
+
+def _set_matmul_precision(value: str) -> None:
+    _MATMUL.fp32_precision = value
+
+
+@contextlib.contextmanager
+def _unrouted_gemms(device: torch.device):
+    """fp32 GEMMs on the BLAS library inside the block, whatever `fp32_precision` routes elsewhere (CPU, eager)."""
+    saved = _MATMUL.fp32_precision if device.type == "cpu" and not torch.compiler.is_compiling() else "none"
+    if saved in _UNROUTED:
+        yield
+        return
+    _set_matmul_precision("ieee")
+    try:
+        yield
+    finally:
+        _set_matmul_precision(saved)
+
+
+def _unrouted_backward(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Run the backward of `out` back to the grads of `inputs` with fp32 GEMMs on the BLAS library, as the forward
+    ran: from a pre-hook on the node that made `out` until a hook that fires once all of `inputs`' grads are in (the
+    math path with a bias that needs a gradient is several nodes)."""
+    if torch.compiler.is_compiling() or out.device.type != "cpu" or out.grad_fn is None:
+        return
+    saved = _MATMUL.fp32_precision
+    if saved in _UNROUTED:
+        return
+    out.grad_fn.register_prehook(lambda grad_outputs: _set_matmul_precision("ieee"))
+    needing = [t for t in inputs if t.requires_grad]
+    torch.autograd.graph.register_multi_grad_hook(needing, lambda grads: _set_matmul_precision(saved))
 
 
 def _bias_block(
@@ -123,8 +215,12 @@ def _attend(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     b, hq, r, d = q_rows.shape
     q_folded = q_rows.reshape(b, shape.kv_heads, shape.group * r, d)  # (B, Hkv, G*R, D)
     # CPU autocast would cast the fp32 compute copies back to bf16; the compute dtype was chosen on purpose.
-    with torch.autocast("cpu", enabled=False) if q_rows.device.type == "cpu" else contextlib.nullcontext():
+    with (
+        torch.autocast("cpu", enabled=False) if q_rows.device.type == "cpu" else contextlib.nullcontext(),
+        _unrouted_gemms(q_rows.device),
+    ):
         out = F.scaled_dot_product_attention(q_folded, k, v, attn_mask=bias, scale=scale)
+    _unrouted_backward(out, (q_folded, k, v, bias))
     return out.reshape(b, hq, r, d)
 
 
@@ -168,11 +264,12 @@ def torch_attention_checked(
         def build() -> torch.Tensor:
             return _grouped(_bias_block(slopes_2d, off, tq, tk, causal, dtype), shape.kv_heads)
 
-        if slopes_2d.requires_grad:
-            bias = build()  # rebuilt every call so the gradient reaches the slopes
+        if slopes_2d.requires_grad or torch.compiler.is_compiling():
+            # Rebuilt every call: so the gradient reaches the slopes; in a compiled graph, where the compiler folds
+            # it into the kernels and a Python cache would break the graph.
+            bias = build()
         else:
-            key = (tq, tk, shape.kv_heads, causal, dtype, str(q.device), tuple(slopes_2d.detach().flatten().tolist()))
-            key += (slopes_2d.shape,)
+            key = (tq, tk, shape.kv_heads, causal, dtype, str(q.device), slopes_2d.shape, _SLOPE_VALUES.get(slopes_2d))
             bias = _CACHE.get(key, build)
         return _attend(qc, kc, vc, bias, shape, scale).to(q.dtype)
 

@@ -1,6 +1,9 @@
-"""A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates."""
+"""A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates,
+and the CPU settings of a fast training step."""
 
+from lmcore.compiled import compile_model
 from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
+from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
 from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
 from lmcore.init_schemes import (
@@ -16,22 +19,29 @@ from lmcore.init_schemes import (
 from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
 from lmcore.memory import MemoryEstimate, estimate_memory
 from lmcore.model import GPT, KVCache, LMOutput, check_token_ids
+from lmcore.step_timing import StepTiming, choose_threads, time_step
 from lmcore.version import __version__
 
 __all__ = [
     "GPT",
     "INIT_FUNCTIONS",
     "PRESETS",
+    "StepTiming",
     "Documents",
     "InitReport",
     "KVCache",
     "LMOutput",
     "LoRALinear",
+    "MatmulProbe",
     "MemoryEstimate",
     "ModelConfig",
     "__version__",
     "apply_lora",
     "check_token_ids",
+    "choose_threads",
+    "compile_model",
+    "cpu_has_native_bf16",
+    "cpu_matmul_library",
     "document_boundaries",
     "estimate_memory",
     "flops_per_token",
@@ -45,5 +55,7 @@ __all__ = [
     "load_lora",
     "merge_lora",
     "n_params",
+    "route_cpu_matmuls",
     "save_lora",
+    "time_step",
 ]

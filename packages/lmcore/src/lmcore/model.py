@@ -243,11 +243,12 @@ class GPT(nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
         if input_ids.numel() and input_ids.device.type != "meta":
-            if _ids_checked_on_host(input_ids.device):
+            if _ids_checked_on_host(input_ids.device) and not torch.compiler.is_compiling():
                 check_token_ids(input_ids, self.config.vocab_size)
             else:
-                # Reading the ids on the host would stall every step; this assert runs on the device and, when it
-                # fails, prints the message and surfaces at the next sync as a CUDA device-side assert.
+                # Reading the ids on the host would stall every step on a GPU and break a compiled graph; this assert
+                # is an op of the graph: on a GPU it prints the message and surfaces at the next sync as a
+                # device-side assert, in a graph compiled for the CPU it raises when the graph runs.
                 in_range = ((input_ids >= 0) & (input_ids < self.config.vocab_size)).all()
                 torch._assert_async(in_range, _ids_message(self.config.vocab_size))
         if labels is not None and labels.shape != input_ids.shape:
