@@ -111,3 +111,68 @@ def test_train_resolves_a_deepspeed_config_once_and_hands_deepspeed_the_dict(dat
     assert summary.step == 2
     assert len(calls) == 1  # the adoption's: the plan and the engine reused it
     assert isinstance(given[0], dict) and given[0] == summary.plan.ds_config.config
+
+
+def test_a_budgeted_cpu_run_takes_bf16_only_where_it_measured_faster(data, tmp_path):
+    request = TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny", time_budget_s=60)
+    timed = {"cpu_count": 2, "step_s": {1: 0.10, 2: 0.12}, "native_bf16": True}
+    draft = plan_run(request, _info(data), World(**timed))
+    assert draft.time_bf16 and draft.measuring and draft.train.precision == "fp32"
+    faster = plan_run(request, _info(data), World(**timed, bf16_step_s=0.06))
+    assert faster.train.precision == "bf16" and faster.step_s == 0.06 and not faster.measuring
+    assert any(line.startswith("bf16 autocast: ") and "1.67x faster" in line for line in faster.lines())
+    slower = plan_run(request, _info(data), World(**timed, bf16_step_s=0.13))
+    assert slower.train.precision == "fp32" and any("measured 0.77x" in line for line in slower.lines())
+    # Not native, or the precision set by the user: nothing is timed, nothing is changed.
+    assert not plan_run(request, _info(data), World(**{**timed, "native_bf16": False})).time_bf16
+    mine = TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny", time_budget_s=60,
+                        overrides={"precision": "fp32"})  # fmt: skip
+    assert not plan_run(mine, _info(data), World(**timed)).time_bf16
+
+
+def test_the_thread_count_is_rechecked_at_each_replan(data, monkeypatch):
+    import torch
+
+    import lmcore
+    from lmcore import GPT
+    from lmtrain.train_run import ThreadCheck
+    from trainloop import BUDGET
+
+    request = TrainRequest(data=str(data), out="r", recipe="tiny", time_budget_s=100)
+    plan = plan_run(request, _info(data), World(cpu_count=2, step_s={1: 0.1, 2: 0.2}))
+    seconds = {1: 0.30, 2: 0.10}  # other work went away: two threads are now three times faster
+
+    def timed(step, threads, *, steps=3, warmup=1):
+        step()
+        return lmcore.StepTiming(threads, seconds[threads], seconds[threads], steps)
+
+    monkeypatch.setattr(lmcore, "time_step", timed)
+    schedule = ThreadCheck(BUDGET.schedule(plan.loop_config), GPT(plan.model), plan, counts=(1, 2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert schedule.observe(5, 10.0) is None  # no re-plan yet: nothing measured
+        message = schedule.observe(50, 25.0)  # the first re-plan (20% of 100 s)
+        assert "re-planned at step 50" in message and "threads 1 -> 2" in message
+        assert torch.get_num_threads() == 2 and schedule.plans and schedule.max_steps == schedule.schedule.max_steps
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compile_and_the_matmul_probe_reach_lmcore(data, tmp_path, monkeypatch):
+    import lmcore
+
+    compiled, probed = [], []
+    monkeypatch.setattr(lmcore, "compile_model", lambda model, **kw: compiled.append(type(model).__name__) or model)
+    real_route = lmcore.route_cpu_matmuls
+
+    def route(cfg, tokens, *, enabled=True):
+        probed.append(enabled)
+        return real_route(cfg, tokens, enabled=False)
+
+    monkeypatch.setattr(lmcore, "route_cpu_matmuls", route)
+    from lmtrain import train
+
+    train(data, tmp_path / "run", recipe="tiny", max_steps=1, compile=True, quiet=True,
+          overrides={"cpu_threads": 1, "cpu_matmul_probe": False})  # fmt: skip
+    assert compiled == ["GPT"] and probed == [False]

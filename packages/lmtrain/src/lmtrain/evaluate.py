@@ -296,6 +296,10 @@ def run_eval(args: argparse.Namespace) -> int:
             dtype=dtype,
             on_note=(lambda note: print(f"lmtrain eval: {note}", file=sys.stderr)) if rank == 0 else None,
         )
+        if args.compile:
+            import lmcore
+
+            lmcore.compile_model(model)
         sp = load_tokenizer(args.run)
         context = args.context if args.context is not None else run["data_config"]["seq_len"]
         stride = args.stride if args.stride is not None else max(1, context // 2)

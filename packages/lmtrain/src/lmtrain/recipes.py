@@ -31,6 +31,8 @@ class DataConfig:
     recipe) or "epoch" (every window once per epoch, shuffled). `cpu_threads=None` lets a single-process CPU run
     time a few steps with one thread and with all cores and keep the faster (on a shared 2-core machine one
     thread measured about 4x faster, tools/bench_threads.py); OMP_NUM_THREADS in the environment also skips the probe.
+    `cpu_matmul_probe` lets a CPU run route its fp32 GEMMs to oneDNN when a short probe at the model's shapes finds
+    it faster and still fp32 (`lmcore.route_cpu_matmuls`); false keeps MKL, torch's default, unmeasured.
 
     Example:
         >>> DataConfig(seq_len=128).sampler
@@ -41,6 +43,7 @@ class DataConfig:
     sampler: Sampler = "random"
     prefetch: int = 3
     cpu_threads: int | None = None
+    cpu_matmul_probe: bool = True  # fp32 GEMMs on oneDNN where a probe finds it faster and still fp32 (lmcore)
 
     def __post_init__(self) -> None:
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
@@ -51,6 +54,8 @@ class DataConfig:
             raise ValueError(f"DataConfig.prefetch must be an int >= 1, got {self.prefetch!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"DataConfig.cpu_threads must be an int >= 1 or None, got {self.cpu_threads!r}")
+        if not isinstance(self.cpu_matmul_probe, bool):
+            raise ValueError(f"DataConfig.cpu_matmul_probe must be true or false, got {self.cpu_matmul_probe!r}")
 
 
 @dataclass(frozen=True)

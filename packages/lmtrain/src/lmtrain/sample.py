@@ -23,11 +23,13 @@ def generate_text(
     device: str | None = None,
     dtype: str = "fp32",
     on_note: Callable[[str], None] | None = None,
+    compile: bool = False,
 ) -> str:
     """The prompt followed by up to `max_new_tokens` sampled tokens, as text.
 
     `checkpoint`, `verify`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
-    takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken.
+    takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken;
+    `compile` runs the model through torch.compile (lmcore.compile_model; it recompiles as the sequence grows).
 
     Example (`tiny_run`: 4 steps of the tiny preset, whose continuation is noise, but a seed repeats it):
         >>> import tempfile
@@ -56,6 +58,10 @@ def generate_text(
     model, run, path = load_trained_model(
         run_dir, str(where), checkpoint=checkpoint, verify=verify, dtype=resolve_dtype(dtype, where), on_note=on_note
     )
+    if compile:
+        import lmcore
+
+        lmcore.compile_model(model)
     sp = load_tokenizer(run_dir)
     eos_id = run.get("eos_id")
     ids = encode(sp, prompt)
@@ -99,6 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             on_note=lambda note: print(f"lmtrain generate: {note}", file=sys.stderr),
+            compile=args.compile,
         )
     )
     return 0

@@ -71,6 +71,7 @@ def train(
     deepspeed: str | os.PathLike | Mapping[str, Any] | None = None,
     document_attention: bool = False,
     gpumon: bool = False,
+    compile: bool = False,
     quiet: bool = False,
 ) -> RunSummary:
     """Train a model on ``data`` (a directory written by :func:`lmtrain.prepare.prepare`, or a blend spec inside
@@ -81,7 +82,9 @@ def train(
     (``{"lr": 1e-3, "model.dropout": 0.1}``; a string value is converted with the field's type, as ``--set``
     does). ``time_budget_s`` bounds the training time (without ``max_steps`` the schedule is sized to it as it
     runs); ``resume`` continues from the newest complete checkpoint (``verify="full"`` re-hashes it first),
-    ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed. ``quiet`` keeps
+    ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed; ``compile``
+    compiles the model with ``torch.compile`` (no graph breaks: lmcore.compile_model; on a CPU it measured no faster
+    in fp32 and its first compile takes a minute or more, so it is off by default). ``quiet`` keeps
     the training log off stdout. Bad input is one :class:`~lmtrain.errors.LmtrainError` naming the value and the fix.
 
     Example (`tiny_data`: a little of the standard library's source, prepared; 4 steps of the tiny recipe):
@@ -110,6 +113,7 @@ def train(
         deepspeed=deepspeed if isinstance(deepspeed, Mapping) or deepspeed is None else str(deepspeed),
         document_attention=document_attention,
         gpumon=gpumon,
+        compile=compile,
     )
     return run_request(request, quiet=quiet)
 
@@ -126,6 +130,7 @@ def run_request(request: TrainRequest, *, quiet: bool = False, t_start: float | 
 def _run(request: TrainRequest, t_start: float) -> RunSummary:
     import torch
 
+    import lmcore
     import tokbin
     from lmcore import GPT
     from trainloop import BUDGET, CheckpointError, CollectiveError, ConfigError, Trainer
@@ -140,18 +145,31 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
     plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
     # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
     check_token_data([train_data, meta["val_path"]], plan.model.vocab_size, fallback_cache_dir=run_dir)
-    if plan.time_threads:
+    while plan.measuring:  # the plan needs step times: measure them on a throw-away model, plan again
         torch.manual_seed(plan.train.seed)
-        timings = pick_cpu_threads(GPT(plan.model), plan.train.micro_batch, plan.seq_len, plan.model.vocab_size,
-                                   plan.time_threads)  # fmt: skip
-        world = dataclasses.replace(world, step_s=timings)
-    if plan.time_threads or plan.budgeted:
-        # A budget is charged with everything before training: planned again with the time that took.
+        probe_model = GPT(plan.model)
+        shape = (plan.train.micro_batch, plan.seq_len, plan.model.vocab_size)
+        if plan.time_threads:
+            world = dataclasses.replace(world, step_s=pick_cpu_threads(probe_model, *shape, plan.time_threads))
+        else:
+            threads = plan.cpu_threads or world.threads_now
+            world = dataclasses.replace(world, bf16_step_s=pick_cpu_threads(probe_model, *shape, (threads,),
+                                                                            precision="bf16")[threads])  # fmt: skip
         plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
     if plan.cpu_threads is not None:
         torch.set_num_threads(plan.cpu_threads)
+    matmuls = None
+    if not world.cuda:
+        matmuls = lmcore.route_cpu_matmuls(plan.model, plan.train.micro_batch * plan.seq_len,
+                                           enabled=plan.data.cpu_matmul_probe)  # fmt: skip
+    if plan.budgeted and not plan.resumed:
+        # A budget is charged with everything before training: planned again with the time that took.
+        plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
+    ds_config = plan.ds_config  # resolved here, once: a value DeepSpeed refuses stops the run before it writes
     torch.manual_seed(plan.train.seed)
     model = GPT(plan.model)
+    if request.compile:
+        lmcore.compile_model(model)
     rank = world.rank
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -159,15 +177,19 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
         write_json_atomic(run_dir / RUN_FILE, plan.to_json())
         for line in plan.lines():
             print(f"lmtrain: {line}", flush=True)
+        if matmuls is not None and plan.data.cpu_matmul_probe:
+            print(f"lmtrain: fp32 GEMMs on {'oneDNN' if matmuls.routed else 'MKL'}: {matmuls.reason}", flush=True)
     loader = tokbin.Loader(train_data, _sampler(plan, train_data), max_prefetch=plan.data.prefetch)
     val_file = tokbin.open_tokens(meta["val_path"])
     eval_data = val_batches(val_file, plan.seq_len, plan.train.micro_batch, rank=rank,
                             world_size=world.world_size, max_windows=plan.eval_windows)  # fmt: skip
     monitor = _start_monitor(run_dir) if request.gpumon and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
-    schedule = BUDGET.schedule(plan.loop_config, plan.first_guess) if plan.budgeted else None
+    schedule: Any = BUDGET.schedule(plan.loop_config, plan.first_guess) if plan.budgeted else None
+    if schedule is not None and world.single_cpu_process and plan.cpu_threads is not None and not world.threads_fixed:
+        schedule = ThreadCheck(schedule, model, plan, counts=tuple(sorted({1, world.cpu_count})))
     try:
         trainer = Trainer(model, plan.loop_config, loader, run_dir=run_dir, eval_data=eval_data,
-                          bytes_per_token=meta["val"]["bytes_per_token"], ds_config=plan.ds_config,
+                          bytes_per_token=meta["val"]["bytes_per_token"], ds_config=ds_config,
                           extra_state={"model_config": plan.model.to_dict(),
                                        "data_config": dataclasses.asdict(plan.data)},
                           schedule=schedule)  # fmt: skip
@@ -214,6 +236,7 @@ def run_train(args: argparse.Namespace) -> int:
         deepspeed=args.deepspeed,
         document_attention=args.document_attention,
         gpumon=args.gpumon,
+        compile=args.compile,
     )
     run_request(request, t_start=t_start)
     return 0
@@ -302,10 +325,17 @@ def open_train_data(blend_spec: Path | None, meta: Mapping[str, Any]) -> Any:
 
 
 def pick_cpu_threads(
-    model: Any, micro_batch: int, seq_len: int, vocab_size: int, counts: tuple[int, ...] | None = None
+    model: Any,
+    micro_batch: int,
+    seq_len: int,
+    vocab_size: int,
+    counts: tuple[int, ...] | None = None,
+    *,
+    precision: str = "fp32",
 ) -> dict[int, float]:
     """Seconds per training step of this model on the CPU for each thread count of `counts` (by default one
-    thread and all cores), timed on a throw-away copy: the best of three steps each."""
+    thread and all cores), timed on a throw-away copy: the best of three steps each, in fp32 or under bf16
+    autocast (``precision="bf16"``). The thread count is left at the last one tried."""
     import copy
 
     import torch
@@ -313,18 +343,86 @@ def pick_cpu_threads(
     probe = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-9)
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     timings: dict[int, float] = {}
     for threads in counts or sorted({1, os.cpu_count() or 1}):
         torch.set_num_threads(threads)
         best = float("inf")
         for _ in range(3):  # the first step of each setting pays one-off costs; keep the best
             t0 = time.perf_counter()
-            probe(ids, ids).loss.backward()
+            with autocast:
+                loss = probe(ids, ids).loss
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             best = min(best, time.perf_counter() - t0)
         timings[threads] = best
     return timings
+
+
+class ThreadCheck:
+    """A budgeted schedule whose re-plans also re-check the CPU threads: at each one, a step of a throw-away copy of
+    the model is timed at every count of ``counts`` (lmcore.time_step, 4 steps each; the training time they take
+    is charged to the budget like any other) and the run moves to the fastest when it beats the current count by
+    more than 10% (lmcore.choose_threads). The thread count chosen at the start can be wrong a minute later on a
+    shared machine, several-fold. Everything else is the wrapped schedule's."""
+
+    def __init__(self, schedule: Any, model: Any, plan: RunPlan, counts: tuple[int, ...]) -> None:
+        self.schedule, self.model, self.plan, self.counts = schedule, model, plan, counts
+
+    @property
+    def max_steps(self) -> int:
+        return self.schedule.max_steps
+
+    @property
+    def plans(self) -> list[dict[str, Any]]:
+        return self.schedule.plans
+
+    def lr(self, step: int) -> float:
+        return self.schedule.lr(step)
+
+    def observe(self, step: int, elapsed_s: float) -> str | None:
+        message = self.schedule.observe(step, elapsed_s)
+        if message is None or len(self.counts) < 2:
+            return message
+        return f"{message}; {self.recheck()}"
+
+    def recheck(self) -> str:
+        import copy
+
+        import torch
+
+        import lmcore
+
+        probe = copy.deepcopy(self.model)
+        optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-9)
+        cfg = self.plan.train
+        ids = torch.randint(0, self.plan.model.vocab_size, (cfg.micro_batch, self.plan.seq_len))
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
+
+        def step() -> None:
+            with autocast:
+                loss = probe(ids, ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        current = torch.get_num_threads()
+        walls = {n: lmcore.time_step(step, n, steps=3, warmup=1).wall_s for n in self.counts}
+        chosen = lmcore.choose_threads(walls, current if current in walls else min(walls, key=walls.__getitem__))
+        torch.set_num_threads(chosen)
+        measured = ", ".join(f"{n} thread(s) {t:.3f}" for n, t in walls.items())
+        return (
+            f"threads {current} -> {chosen} (s/step {measured})"
+            if chosen != current
+            else (f"threads stay {current} (s/step {measured})")
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedule.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(state)
 
 
 def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
