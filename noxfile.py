@@ -100,10 +100,13 @@ def _doctests(session: nox.Session, dist: str) -> None:
 
 @nox.session(python="3.11", tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
+    """ruff check and ruff format --check over the whole tree; mypy (mypy.ini) over the six packages, installed with
+    their dependencies so that the types they use are checked too."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.install("mypy>=1.10", *[arg for p in PACKAGES for arg in ("-e", _path(p))])
+    session.run("mypy", "--config-file", "mypy.ini", *[f"packages/{p}/src" for p in PACKAGES])
 
 
 @nox.session(python="3.11", tags=["ci"])

@@ -150,13 +150,15 @@ class _FullFile:
 
 
 def _full_at_run_json(tmp, made, mp, stack):
-    import lmtrain.run_files as run_files
+    import trainloop.checkpoint as checkpoint
 
-    # run_files' own `open` (a module global shadows the builtin): only its writes of run.json find the disk full.
-    def fake_open(path, mode="r", *args, **kwargs):
-        return _FullFile(path, mode) if "run.json" in str(path) else open(path, mode, *args, **kwargs)  # noqa: SIM115
+    real = checkpoint.open_new
 
-    mp.setattr(run_files, "open", fake_open, raising=False)
+    # What writes the state files (never through a link): only the writes of run.json find the disk full.
+    def full_at_run_json(path, mode="w"):
+        return _FullFile(path, mode) if "run.json" in str(path) else real(path, mode)
+
+    mp.setattr(checkpoint, "open_new", full_at_run_json)
     return {}
 
 
@@ -333,15 +335,22 @@ def test_flipped_checkpoint_byte_passes_a_sizes_check(argv, made, tmp_path, monk
 
 @pytest.mark.parametrize("verify", ["sizes", "full"])
 def test_train_resume_verify(verify, made, tmp_path, monkeypatch, capsys):
-    """`train --resume` resumes from a checkpoint with one bit flipped under sizes; under full it names the file,
-    skips the checkpoint and, having no older one, starts from step 0."""
+    """`train --resume` resumes from a checkpoint with one bit flipped under sizes; under full it names the file and,
+    having no other checkpoint, stops in one line with the run directory as it was (starting over would replace a
+    checkpoint that may still be recovered)."""
     _flipped_checkpoint_byte(tmp_path, made, monkeypatch, [])
+    run = tmp_path / "run"
+    before = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     argv = [*T, "--out", "{tmp}/run", "--resume", "--verify", verify]
-    assert main([a.format(tmp=tmp_path, data=made / "data") for a in argv]) == 0
-    out = capsys.readouterr().out
+    code = main([a.format(tmp=tmp_path, data=made / "data") for a in argv])
+    captured = capsys.readouterr()
     skipped = "skipping incomplete checkpoint step_00000002: SHA-256 mismatch in model.safetensors"
     resumed = f"resumed from {tmp_path}/run/checkpoints/step_00000002 at step 2"
     if verify == "sizes":
-        assert resumed in out and skipped not in out, out
+        assert code == 0 and resumed in captured.out and skipped not in captured.out, captured.out
     else:
-        assert skipped in out and "starting from step 0" in out and resumed not in out, out
+        assert code == 2 and skipped in captured.out and resumed not in captured.out, captured.out
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and "none usable" in err and "nothing was changed" in err, err
+        after = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        assert {k: v for k, v in after.items() if k != ".lmtrain.lock"} == before  # the lock: the command's own

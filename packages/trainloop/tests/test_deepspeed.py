@@ -11,6 +11,7 @@ from test_ds_config import REFERENCE_DS_CONFIG
 from tiny_model import SeqData, TinyLM
 
 from trainloop import TrainConfig, Trainer, latest_checkpoint, load_model_weights
+from trainloop.checkpoint import sha256_file
 
 CLIP = {"embed.*": 0.3, "*o_proj*": 0.05}
 
@@ -127,3 +128,35 @@ def _same_state(a, b):
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+class _Payload:
+    """What a hostile checkpoint would hold: an object whose unpickling runs a command (here: creates a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.mark.parametrize("which", ["optim_states", "model_states"])
+def test_deepspeed_checkpoint_files_are_read_without_running_code(tmp_path, which):
+    args = {"engine": "deepspeed", "ds_config": {"zero_optimization": {"stage": 2}}, "max_steps": 2, "save_every": 2,
+            "run_dir": str(tmp_path / "run")}  # fmt: skip
+    run("train_tiny.py", args)
+    (target,) = (tmp_path / "run" / "checkpoints" / "step_00000002" / "deepspeed" / "state").glob(f"*{which}.pt")
+    state = torch.load(target, weights_only=False)
+    marker = tmp_path / "ran"
+    state["payload"] = _Payload(marker)
+    torch.save(state, target)
+    # The manifest made to match, as whoever wrote the file would: the checkpoint passes every size and hash check.
+    manifest_path = target.parents[2] / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = str(target.relative_to(target.parents[2]))
+    manifest["files"][entry] = {"sha256": sha256_file(target), "bytes": target.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(AssertionError) as failed:
+        run("train_tiny.py", {**args, "max_steps": 4, "resume": True})
+    assert f"{target.name}: refused: it holds " in str(failed.value), str(failed.value)[-2000:]
+    assert not marker.exists()

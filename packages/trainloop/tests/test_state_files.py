@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_model import SeqData, TinyLM, eval_batches
 
+import trainloop.checkpoint as checkpoint
 from trainloop import CheckpointStore, TrainConfig, Trainer
 from trainloop.faults import DiskFullError, disk_full
 from trainloop.metrics_logging import MetricsLogger, read_metrics
@@ -71,12 +72,23 @@ def test_best_pointer_is_replaced_atomically(tmp_path, monkeypatch):
     store = CheckpointStore(tmp_path)
     before = (store.root / "best.json").read_text()
 
-    def torn(self, text, *a, **k):
-        with open(self, "w") as f:
-            f.write(text[: len(text) // 2])
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_open = checkpoint.open_new
 
-    monkeypatch.setattr(type(store.root), "write_text", torn)
+    class Torn:  # writes half of what it is given, then the disk is full
+        def __init__(self, path, mode="w"):
+            self.f = real_open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            self.f.write(text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint, "open_new", Torn)
     with pytest.raises(OSError):
         store.mark_best(2, "eval_loss", 0.5)
     assert (store.root / "best.json").read_text() == before

@@ -6,7 +6,15 @@ import pytest
 import torch
 from tiny_model import SeqData, TinyLM, eval_batches
 
-from trainloop import NonFiniteLossError, TrainConfig, Trainer, latest_checkpoint, load_model_weights, plot_metrics
+from trainloop import (
+    CheckpointError,
+    NonFiniteLossError,
+    TrainConfig,
+    Trainer,
+    latest_checkpoint,
+    load_model_weights,
+    plot_metrics,
+)
 
 
 def _cfg(**kw):
@@ -337,3 +345,30 @@ def test_timed_evaluations_take_at_most_a_tenth_of_the_time(tmp_path):
     trainer.fit()
     # Asked for every second, but 5 s per evaluation allows one per 50 s: 200 training + 5 per evaluation.
     assert 4 <= evals.calls - 1 <= 5  # minus the final evaluation
+
+
+def _snapshot(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_resume_that_finds_no_usable_checkpoint_changes_nothing(tmp_path):
+    cfg = TrainConfig(max_steps=4, save_every=2, progress=False, tensorboard=False, micro_batch=8)
+    Trainer(TinyLM(), cfg, SeqData(8), run_dir=tmp_path).fit()
+    for state in (tmp_path / "checkpoints").glob("step_*/rank0.pt"):
+        state.write_bytes(state.read_bytes()[:-7])  # cut short: the weights are intact, the checkpoint is not
+    before = _snapshot(tmp_path)
+    with pytest.raises(CheckpointError, match=r"2 checkpoint\(s\), none usable .*nothing was changed"):
+        Trainer(TinyLM(), cfg, SeqData(8), run_dir=tmp_path).fit(resume=True)
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_run_directory_linking_outside_is_refused(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(outside / "notes.txt")
+    cfg = TrainConfig(max_steps=2, progress=False, tensorboard=False, micro_batch=8)
+    with pytest.raises(CheckpointError, match="metrics.jsonl is a symbolic link to .*outside the run directory"):
+        Trainer(TinyLM(), cfg, SeqData(8), run_dir=run)
+    assert not (outside / "notes.txt").exists()

@@ -100,8 +100,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     restart.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint in RUN_DIR. Only resume run directories you trust: a --deepspeed "
-        "run's optimizer state is loaded by DeepSpeed, which unpickles (runs code from) its files",
+        help="continue from the newest usable checkpoint in RUN_DIR (none at all: start at step 0; some but none "
+        "usable: stop, changing nothing). Every state file is read without unpickling code, DeepSpeed's included",
     )
     restart.add_argument(
         "--overwrite",

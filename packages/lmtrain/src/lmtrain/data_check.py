@@ -168,7 +168,7 @@ def _locked(directory: Path) -> Iterator[bool]:
     is not writable."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
     except OSError:
         yield False
         return

@@ -82,11 +82,12 @@ class TrainRequest:
 @dataclass(frozen=True)
 class DataInfo:
     """What is on disk: the data directory's meta.json (:func:`lmtrain.run_files.read_meta`), the number of training
-    tokens, and the run.json of the run being resumed (None for a new run)."""
+    tokens, the run.json of the run being resumed (None for a new run) and the tokenizer's SHA-256."""
 
     meta: Mapping[str, Any]
     train_tokens: int
     saved_run: Mapping[str, Any] | None = None
+    tokenizer_sha256: str | None = None  # of the data directory's tokenizer.model
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class RunPlan:
     first_guess: int | None = None  # the budgeted schedule's first estimate of the final step
     regularisation: Mapping[str, Any] | None = None  # {"passes": ..., "note": ...} or {"note": ...}
     adoption: Any = None  # trainloop Adoption of the DeepSpeed JSON, for engine="deepspeed"
+    tokenizer_sha256: str | None = None  # recorded in run.json and with the weights of every checkpoint
     notes: tuple[str, ...] = ()
     saved_run: Mapping[str, Any] | None = None
 
@@ -191,6 +193,7 @@ class RunPlan:
             "vocab_size": meta["vocab_size"],
             "bytes_per_token": meta["bytes_per_token"],
             "n_params": n_params(self.model),
+            "tokenizer_sha256": self.tokenizer_sha256,
             "world_size": self.world.world_size,
             "cpu_threads": self.cpu_threads if self.cpu_threads is not None else self.world.threads_now,
             "notes": list(self.notes),
@@ -353,7 +356,7 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
         request=request, meta=meta, recipe=recipe, model=model_cfg, train=train_cfg, data=data_cfg, budgeted=budgeted,
         resumed=resumed, fixed=frozenset(fixed), world=world, cpu_threads=cpu_threads, step_s=step_s,
         time_threads=time_threads, time_bf16=time_bf16, first_guess=first_guess, regularisation=regularisation,
-        adoption=adoption, notes=tuple(notes), saved_run=saved,
+        adoption=adoption, notes=tuple(notes), saved_run=saved, tokenizer_sha256=data.tokenizer_sha256,
     )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ RUN_DIR/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -36,9 +37,12 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON through a temporary file, fsync and a rename, so a kill or a power cut never leaves half a file;
     a failed write (a full disk) removes the temporary file and raises an OSError that names ``path``."""
+    from trainloop.checkpoint import open_new
+
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
+        with open_new(tmp) as f:
             f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -155,6 +159,7 @@ def load_trained_model(
     for note in notes:
         if on_note is not None:
             on_note(note)
+    check_tokenizer_of(run_dir, path)
     if (path / "config.json").is_file():
         # The checkpoint's own layout (lmcore's save_pretrained): its config, its weights, adapters included.
         try:
@@ -181,6 +186,26 @@ def load_trained_model(
     check_attention_backend(model.config, torch.device(map_location))
     model.to(device=map_location, dtype=dtype).eval()
     return model, run, path
+
+
+def check_tokenizer_of(run_dir: str | os.PathLike, checkpoint: Path) -> None:
+    """Refuse, in one line naming both hashes, a run whose tokenizer.model is not the one the checkpoint's weights
+    were trained with (recorded in the checkpoint's extra_state.json by `lmtrain train`; older checkpoints have no
+    record and pass)."""
+    import tokbin
+
+    recorded = None
+    with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        recorded = json.loads((checkpoint / "extra_state.json").read_text()).get("tokenizer_sha256")
+    tokenizer = Path(run_dir) / TOKENIZER_FILE
+    if recorded is None or not tokenizer.is_file():
+        return
+    actual = tokbin.file_sha256(tokenizer)
+    if actual != recorded:
+        raise LmtrainError(
+            f"{tokenizer} (sha256 {actual}) is not the tokenizer {checkpoint.name} was trained with (sha256 "
+            f"{recorded}): restore the run's own tokenizer.model (the data directory it was trained on has it)"
+        )
 
 
 def _strip_prefix(name: str) -> str:

@@ -153,10 +153,16 @@ class DirectoryLock:
 
     def _open(self) -> int | None:
         try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            # O_NOFOLLOW: a symbolic link in place of the lock is refused, never opened (and emptied) through.
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LmtrainError(
+                    f"{self.flag} {self.directory}: its lock file {LOCK_FILE} is a symbolic link: a run writes only "
+                    "inside its directory; remove the link"
+                ) from None
             raise LmtrainError(
                 f"{self.flag} {self.directory}: cannot create its lock file {LOCK_FILE}: {exc.strerror}; "
                 "expected a writable directory"

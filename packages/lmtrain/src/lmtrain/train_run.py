@@ -134,13 +134,25 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
     import tokbin
     from lmcore import GPT
     from trainloop import BUDGET, CheckpointError, CollectiveError, ConfigError, Trainer
+    from trainloop.checkpoint import refuse_outside_links
     from trainloop.distributed import teardown_distributed
 
+    run_dir = Path(request.out)
+    try:
+        refuse_outside_links(run_dir)  # before anything is written into it
+    except CheckpointError as exc:
+        raise LmtrainError(str(exc)) from None
     meta = read_meta(request.data_dir)
     train_data = open_train_data(request.blend_spec, meta)
-    run_dir = Path(request.out)
     saved = read_run(run_dir) if request.resume and (run_dir / RUN_FILE).is_file() else None
-    info = DataInfo(meta, int(train_data.n_tokens), saved)
+    tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"]) if Path(meta["tokenizer_path"]).is_file() else None
+    if saved is not None and tokenizer_sha is not None and saved.get("tokenizer_sha256") not in (None, tokenizer_sha):
+        # Checked before anything is written: the run's own tokenizer.model is never replaced by another.
+        raise LmtrainError(
+            f"--data {request.data}: its tokenizer (sha256 {tokenizer_sha}) is not the one {run_dir} was trained "
+            f"with (sha256 {saved['tokenizer_sha256']}): resume with that run's data, or start a new run"
+        )
+    info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha)
     world = _world()
     plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
     # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
@@ -173,8 +185,6 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
     rank = world.rank
     run_dir.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        _copy_file(Path(meta["tokenizer_path"]), run_dir / TOKENIZER_FILE)
-        write_json_atomic(run_dir / RUN_FILE, plan.to_json())
         for line in plan.lines():
             print(f"lmtrain: {line}", flush=True)
         if matmuls is not None and plan.data.cpu_matmul_probe:
@@ -191,9 +201,11 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
         trainer = Trainer(model, plan.loop_config, loader, run_dir=run_dir, eval_data=eval_data,
                           bytes_per_token=meta["val"]["bytes_per_token"], ds_config=ds_config,
                           extra_state={"model_config": plan.model.to_dict(),
-                                       "data_config": dataclasses.asdict(plan.data)},
+                                       "data_config": dataclasses.asdict(plan.data),
+                                       "tokenizer_sha256": plan.tokenizer_sha256},
                           schedule=schedule)  # fmt: skip
-        out = trainer.fit(resume=request.resume, overwrite=request.overwrite, verify=request.verify)
+        out = trainer.fit(resume=request.resume, overwrite=request.overwrite, verify=request.verify,
+                          on_ready=lambda: _write_run_files(plan, run_dir) if rank == 0 else None)  # fmt: skip
     except (ConfigError, CheckpointError) as exc:
         raise LmtrainError(str(exc)) from exc
     except CollectiveError as exc:
@@ -266,11 +278,23 @@ def _sampler(plan: RunPlan, train_data: Any) -> Any:
                        world_size=world.world_size)  # fmt: skip
 
 
+def _write_run_files(plan: RunPlan, run_dir: Path) -> None:
+    """The run's own files beside its checkpoints: a copy of the tokenizer and run.json. Written once the loop knows
+    the directory is this run's (its checkpoint restored, or a fresh start allowed), so that a refused resume or a
+    refused fresh start changes nothing."""
+    _copy_file(Path(plan.meta["tokenizer_path"]), run_dir / TOKENIZER_FILE)
+    write_json_atomic(run_dir / RUN_FILE, plan.to_json())
+
+
 def _copy_file(source: Path, target: Path) -> None:
     """Copy through a temporary file and a rename, so a kill never leaves half a tokenizer."""
+    from trainloop.checkpoint import open_new
+
     tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
     try:
-        tmp.write_bytes(source.read_bytes())
+        tmp.unlink(missing_ok=True)
+        with open_new(tmp, "wb") as f:
+            f.write(source.read_bytes())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -314,7 +338,7 @@ def open_train_data(blend_spec: Path | None, meta: Mapping[str, Any]) -> Any:
         blend = tokbin.Blend.from_spec(blend_spec)
     except tokbin.TokenFileError as exc:
         raise LmtrainError(str(exc)) from None
-    tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"])
+    tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"]) if Path(meta["tokenizer_path"]).is_file() else None
     if blend.tokenizer_sha256 not in (None, tokenizer_sha):
         raise LmtrainError(
             f"{blend_spec}: its sources were encoded with a tokenizer of sha256 {blend.tokenizer_sha256}, "

@@ -55,7 +55,7 @@ def calibrate(
         >>> result = calibrate(Regression(), TrainConfig(lr=0.01), batches, run_dir=run.name, patterns=["hidden.*"],
         ...                    at_step=20, n_batches=10, percentile=95, out=f"{run.name}/clip.json")
         ... # doctest: +ELLIPSIS
-        [trainloop ...] no complete checkpoint under ...: starting from step 0
+        [trainloop ...] no checkpoint under ...: starting from step 0
         ...
         >>> sorted(result["thresholds"]), result["at_step"], len(result["norms"]["hidden.*"])  # "*": everything else
         (['*', 'hidden.*'], 20, 10)

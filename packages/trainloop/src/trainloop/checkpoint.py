@@ -8,8 +8,9 @@ any moment leaves the previous checkpoint intact. ``checkpoints/best.json`` poin
 evaluation so far.
 
 Every state file the toolkit itself writes loads with ``torch.load(weights_only=True)``: a checkpoint cannot run
-code through them. DeepSpeed's own optimizer shards (the ``deepspeed/`` subdirectory) are loaded by DeepSpeed,
-which unpickles: resume only from run directories you trust.
+code through them. DeepSpeed's own files (the ``deepspeed/`` subdirectory) are read the same way, with the few
+DeepSpeed classes they hold allowed (trainloop.deepspeed_compat.safe_load). A run directory whose members link
+outside it is refused (refuse_outside_links), and the files a run writes are never opened through a link.
 """
 
 from __future__ import annotations
@@ -166,8 +167,7 @@ class CheckpointStore:
     def begin(self, step: int) -> Path:
         """Create (afresh) the temporary directory a checkpoint for ``step`` is written into (rank 0 only)."""
         tmp = self.tmp_dir(step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        _remove(tmp)
         tmp.mkdir(parents=True)
         return tmp
 
@@ -183,13 +183,12 @@ class CheckpointStore:
             path.chmod(mode)
             files[str(path.relative_to(tmp))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         manifest = {"step": step, "files": files, **(meta or {})}
-        with open(tmp / MANIFEST, "w") as f:
+        with open_new(tmp / MANIFEST) as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         final = self.step_dir(step)
-        if final.exists():
-            shutil.rmtree(final)
+        _remove(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
         return final
@@ -198,7 +197,9 @@ class CheckpointStore:
         """Point ``best.json`` at the checkpoint of ``step`` (which must exist), atomically (rank 0 only)."""
         data = {"step": step, "checkpoint": self.step_dir(step).name, "metric": metric, "value": value}
         tmp = self.root / f".{BEST_FILE}.tmp"
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        _remove(tmp)
+        with open_new(tmp) as f:
+            f.write(json.dumps(data, indent=1) + "\n")
         os.replace(tmp, self.root / BEST_FILE)
 
     def best(self) -> dict[str, Any] | None:
@@ -225,8 +226,7 @@ class CheckpointStore:
 
     def clear(self) -> None:
         """Delete every checkpoint and the best pointer (a run started over with ``--overwrite``)."""
-        if self.root.is_dir():
-            shutil.rmtree(self.root)
+        _remove(self.root)
 
     # -------------------------------------------------------------------------------------------- choosing
     def find_resumable(self, verify: str = "sizes") -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -291,6 +291,67 @@ class CheckpointStore:
         if reason is not None:
             raise CheckpointError(f"{path}: incomplete checkpoint ({reason}); pick another (`latest` or a step)")
         return path, notes
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory's (``step_00000020``), not a temporary one's or another file's."""
+    return _STEP_RE.fullmatch(name) is not None
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path`` if it is there: a symbolic link itself (never what it points to), a file or a directory."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def open_new(path: Path, mode: str = "w") -> Any:
+    """Open ``path`` for writing without following a symbolic link there (O_NOFOLLOW: a link is an error, never a
+    way to write elsewhere); a new file gets the mode the umask gives."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o666), mode)
+
+
+def outside_links(root: str | os.PathLike[str]) -> list[tuple[Path, Path]]:
+    """(link, target) for every symbolic link under ``root`` whose target resolves outside it (a link that stays
+    inside is fine). Links are not followed while walking.
+
+    Example:
+        >>> import os, tempfile
+        >>> run, other = tempfile.TemporaryDirectory(), tempfile.TemporaryDirectory()
+        >>> os.symlink(os.path.join(other.name, "notes.txt"), os.path.join(run.name, "loss.png"))
+        >>> os.symlink("metrics.jsonl", os.path.join(run.name, "inside.jsonl"))
+        >>> [p.name for p, _ in outside_links(run.name)]
+        ['loss.png']
+        >>> run.cleanup(); other.cleanup()
+    """
+    base = Path(root)
+    real = base.resolve()
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):  # followlinks=False: a linked directory is not entered
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(real):
+                    found.append((path, target))
+    return found
+
+
+def refuse_outside_links(run_dir: str | os.PathLike[str]) -> None:
+    """Raise ``CheckpointError`` (one line) when ``run_dir`` holds a symbolic link to somewhere outside it: a run
+    writes into its own directory only, and someone else's run directory must not make it write elsewhere."""
+    if not Path(run_dir).is_dir():
+        return
+    links = outside_links(run_dir)
+    if links:
+        link, target = links[0]
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        raise CheckpointError(
+            f"{link} is a symbolic link to {target}, outside the run directory{more}: a run writes only inside "
+            f"{run_dir}; remove the link, or replace it with the file itself"
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -408,7 +469,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_torch(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
+    with open_new(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())

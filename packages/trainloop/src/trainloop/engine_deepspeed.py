@@ -21,7 +21,7 @@ import torch.distributed as dist
 from trainloop import deepspeed_compat as compat
 from trainloop.checkpoint import CheckpointError, write_weights
 from trainloop.config import TrainConfig
-from trainloop.distributed import barrier
+from trainloop.distributed import barrier, broadcast_json
 from trainloop.ds_config import ResolvedDSConfig, build_ds_config
 from trainloop.engine import NamedGrads, SteppingEngine, make_adamw
 from trainloop.engine_torch import loss_of
@@ -57,6 +57,7 @@ class DeepSpeedEngine(SteppingEngine):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=make_adamw(model, config), config=self.ds_config
         )
+        compat.load_safely(self.engine)  # its checkpoint files are read without unpickling code
         self.module = self.engine.module
         self.stage = int(self.ds_config["zero_optimization"]["stage"])
         self._params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -106,8 +107,17 @@ class DeepSpeedEngine(SteppingEngine):
         if saved_world_size == self.world_size:
             return self._load(ckpt_dir / DS_SUBDIR, DS_TAG)
         universal = ckpt_dir.parent / f".universal-{ckpt_dir.name}"
+        refused = None
         if dist.get_rank() == 0:
-            compat.to_universal(ckpt_dir / DS_SUBDIR / DS_TAG, universal / DS_TAG)
+            try:
+                compat.check_checkpoint_files(ckpt_dir / DS_SUBDIR / DS_TAG)  # the converter unpickles what it reads
+            except CheckpointError as exc:
+                refused = str(exc)
+            else:
+                compat.to_universal(ckpt_dir / DS_SUBDIR / DS_TAG, universal / DS_TAG)
+        refused = broadcast_json(refused)  # every rank refuses with rank 0, none waits for it at a barrier
+        if refused is not None:
+            raise CheckpointError(refused)
         barrier()
         try:
             with compat.loading_universal(self.engine):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from trainloop.checkpoint import open_new
 from trainloop.extras import MissingExtraError, import_extra
 
 # Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): NVIDIA's
@@ -144,7 +145,7 @@ def _replace_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with open_new(tmp) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -182,7 +183,9 @@ class MetricsLogger:
             _replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run, closed in close()
+        # Appended to for the run, closed in close(); never through a symbolic link.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self._file = os.fdopen(os.open(self.path, flags, 0o666), "a")
         if tensorboard:
             self.tb = _tensorboard_writer(run_dir, resume_step)
         if wandb_project is not None:

@@ -6,6 +6,7 @@ the backend or the open figures of the program that calls it. matplotlib is the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,5 +74,11 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
+    # Drawn beside the target and renamed over it: a symbolic link there is replaced, never written through.
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}{out.suffix}")
+    try:
+        fig.savefig(tmp, dpi=90)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out

@@ -21,7 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainloop.checkpoint import CheckpointError, CheckpointStore, load_torch, rng_state, save_torch, set_rng_state
+from trainloop.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    is_checkpoint_name,
+    load_torch,
+    refuse_outside_links,
+    rng_state,
+    save_torch,
+    set_rng_state,
+)
 from trainloop.clipping import ClipGroups
 from trainloop.config import ConfigError, TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, broadcast_json, setup_distributed, teardown_distributed
@@ -142,6 +151,7 @@ class Trainer:
         self.rank, self.world_size, self.device = setup_distributed(config.engine, config.dist_timeout_s)
         self.is_main = self.rank == 0
         self.config = config
+        refuse_outside_links(run_dir)
         self.store = CheckpointStore(run_dir)
         self.run_dir = self.store.run_dir
         self.train_data = train_data
@@ -407,11 +417,22 @@ class Trainer:
         return StepResult(state.step, lr, report, tokens * self.world_size, state.consecutive_skips, agreed)
 
     # ----------------------------------------------------------------------------------------------- the loop
-    def fit(self, resume: bool = False, *, overwrite: bool = False, verify: str = "sizes") -> dict[str, Any]:
+    def fit(
+        self,
+        resume: bool = False,
+        *,
+        overwrite: bool = False,
+        verify: str = "sizes",
+        on_ready: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """Train to the schedule's final step (or the time budget, early stopping, a signal); returns a summary.
 
         With ``resume=True`` the newest complete checkpoint in ``run_dir`` is restored first (incomplete ones are
-        reported and skipped; ``verify="full"`` also checks every SHA-256). A fresh run refuses a ``run_dir`` that
+        reported and skipped; ``verify="full"`` also checks every SHA-256); without any checkpoint the run starts at
+        step 0, and when there are checkpoints but none is usable it raises ``CheckpointError`` having changed
+        nothing. ``on_ready`` is called on every rank once the run directory is known to be this run's (the
+        checkpoint restored, or a fresh start allowed) and before the first step: the place to write files of one's
+        own beside the checkpoints. A fresh run refuses a ``run_dir`` that
         already holds checkpoints unless ``overwrite=True``, which deletes them. Saves at every ``save_every`` steps
         and at the end; evaluates likewise and at every ``eval_every_s`` seconds of training.
         """
@@ -427,12 +448,23 @@ class Trainer:
                 self.load_checkpoint(ckpt)
                 resume_step = self.state.step
                 self._fit_t0 = self._clock()  # training time restarts after the load (train_seconds holds the past)
+            elif unusable := [(p, why) for p, why in self.skipped_checkpoints if is_checkpoint_name(p.name)]:
+                # Starting over would replace what may still be recovered: the run stops, nothing is touched (an
+                # interrupted save's temporary directory is no checkpoint).
+                names = "; ".join(f"{p.name}: {why}" for p, why in unusable[:3])
+                raise CheckpointError(
+                    f"{self.store.root}: {len(unusable)} checkpoint(s), none usable ({names}): "
+                    "nothing was changed; restore one, or start over (overwrite=True, lmtrain --overwrite: deletes "
+                    "them)"
+                )
             else:
-                self._say(f"no complete checkpoint under {self.run_dir}: starting from step 0")
+                self._say(f"no checkpoint under {self.run_dir}: starting from step 0")
         else:
             self._start_fresh(overwrite)
         if resume_step is None:
             self._seed()
+        if on_ready is not None:
+            on_ready()
         logger = MetricsLogger(self.run_dir, enabled=self.is_main, tensorboard=cfg.tensorboard, resume_step=resume_step,
                                wandb_project=cfg.wandb_project)  # fmt: skip
         self._say(
