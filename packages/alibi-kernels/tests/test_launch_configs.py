@@ -44,24 +44,29 @@ def test_every_target_can_launch_every_kernel_at_every_head_dim(target, dtype):
 
 
 def test_the_limit_is_applied_per_target():
-    """The 16-bit forward's 128 x 128 tile at D=128 needs 160 KiB: it fits an A100 and an H100, not a 3090."""
-    big = TileConfig(128, 128, 8, 3)
+    """A config is returned exactly when its measured bytes fit: the forward's first 16-bit tile at D=128 needs 96 KiB
+    on sm_80..89 (a 3090 has 99 KiB) and 128 KiB on sm_90 (wgmma keeps q in shared memory)."""
+    first = candidate_configs("fwd", torch.bfloat16, 128)[0]
     kwargs = {"dtype": torch.bfloat16, "head_dim": 128}
-    assert big in candidate_configs("fwd", **kwargs)
-    assert shared_memory_bytes("fwd", big, capability=(8, 6), **kwargs) > 101376
-    for target, (capability, smem) in GPU_TARGETS.items():
-        fits = big in launch_configs("fwd", capability=capability, smem_per_block=smem, **kwargs)
-        assert fits == (target != "RTX 3090 (sm_86)" and target != "RTX 4090 (sm_89)"), target
+    for capability in [(8, 6), (9, 0)]:
+        needed = shared_memory_bytes("fwd", first, capability=capability, **kwargs)
+        assert first in launch_configs("fwd", capability=capability, smem_per_block=needed, **kwargs)
+        assert first not in launch_configs("fwd", capability=capability, smem_per_block=needed - 1, **kwargs)
+    assert shared_memory_bytes("fwd", first, capability=(8, 6), **kwargs) == 98304
+    assert shared_memory_bytes("fwd", first, capability=(9, 0), **kwargs) == 131072
     assert launch_configs("fwd", capability=(8, 6), smem_per_block=1024, **kwargs) == []
 
 
-def test_candidates_are_ordered_and_the_spill_budget_is_zero():
+def test_candidates_are_distinct_and_the_spill_budget_is_zero_but_for_the_stated_cases():
     for kernel in KERNELS:
         for dtype in DTYPES:
             for d in (64, 128, 256):
                 configs = candidate_configs(kernel, dtype, d)
                 assert len(set(configs)) == len(configs) >= 3, (kernel, dtype, d)
-                assert spill_budget(kernel, dtype, d) == 0
+                for capability in [(8, 6), (8, 9), (9, 0)]:
+                    assert spill_budget(kernel, dtype, d, capability) == 0
+                assert spill_budget(kernel, dtype, d, (8, 0)) == (0 if kernel == "fwd" else 64)
+                assert spill_budget(kernel, dtype, 80, (9, 0)) == (0 if kernel == "fwd" else 64)
 
 
 @pytest.mark.parametrize(
@@ -157,12 +162,14 @@ def test_every_config_failing_at_launch_is_the_same_error(rtx3090):
 
 
 def test_the_autotuner_is_pruned_to_the_configs_that_fit(rtx3090):
+    """On a device with 90000 bytes per block the forward's first 16-bit tile at D=128 (98304 bytes) is dropped."""
     import triton
 
+    rtx3090.setattr(at, "_device_limits", lambda device: ((8, 6), 90000, "a smaller sm_86 GPU"))
     configs = [
         triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
         for c in candidate_configs("fwd", torch.bfloat16, 128)
     ]
     kept = at._prune("fwd", torch.bfloat16, 128)(configs, {"Q": torch.empty(1)})
-    expected = launch_configs("fwd", capability=(8, 6), smem_per_block=101376, dtype=torch.bfloat16, head_dim=128)
-    assert [at._tile_of(c) for c in kept] == expected and len(kept) < len(configs)
+    expected = launch_configs("fwd", capability=(8, 6), smem_per_block=90000, dtype=torch.bfloat16, head_dim=128)
+    assert [at._tile_of(c) for c in kept] == expected and len(kept) == len(configs) - 1

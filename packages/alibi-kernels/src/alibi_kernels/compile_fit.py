@@ -292,7 +292,8 @@ def fit_rows(grid: FitGrid, workers: int = 1) -> list[FitRow]:
                     for config in launch_configs(kernel, smem_per_block=smem, **kwargs):
                         table = shared_memory_bytes(kernel, config, **kwargs)
                         job = (kernel, dtype, head_dim, config, compiled_as, ptxas)
-                        planned.append((job, target, smem, table, spill_budget(kernel, dtype, head_dim)))
+                        budget = spill_budget(kernel, dtype, head_dim, compiled_as)
+                        planned.append((job, target, smem, table, budget))
     jobs = list(dict.fromkeys(job for job, *_ in planned))
     if workers > 1:
         import multiprocessing
