@@ -3,24 +3,28 @@
 Run from the repository root with alibi-kernels importable (installed, or its src/ on PYTHONPATH):
 
     python tools/gpu_check_kernels.py                  # full test grid + full benchmark (CUDA host)
-    python tools/gpu_check_kernels.py --quick          # quick grid + quick benchmark (what tools/gpu_check.sh runs)
+    python tools/gpu_check_kernels.py --quick          # quick grid + quick benchmark (tools/gpu_check.sh's grids)
     python tools/gpu_check_kernels.py --quick --dry-run          # what would run, on any machine
     python tools/gpu_check_kernels.py --quick --count-compiles   # Triton compilations the test grid needs (CPU)
 
-The tests run with ALIBI_KERNELS_AUTOTUNE=0 (each kernel launches its first config: one compilation per
-specialisation instead of one per candidate config) and, where pytest-xdist is installed, in --workers processes,
-so compilations (CPU-bound, one core each) run side by side on the one GPU. The benchmark keeps autotuning on: its
-figures are the tuned kernels'. --count-compiles binds every launch of the two parametrised grids
-(tests/test_gpu_grid.py and the packed-document grid) with Triton's own argument specialisation for an sm_90
-target, on CPU tensors and without compiling, and prints how many distinct kernels that makes.
+The tests run with ALIBI_KERNELS_AUTOTUNE=0 (each kernel launches the first config that fits the GPU: one
+compilation per specialisation instead of one per candidate config) and, where pytest-xdist is installed, in
+--workers processes, so compilations (CPU-bound, one core each) run side by side on the one GPU. The benchmark
+keeps autotuning on: its figures are the tuned kernels'. --count-compiles captures every launch of the two
+parametrised grids (tests/test_gpu_grid.py and the packed-document grid) on CPU tensors, binds it with Triton's own
+argument specialisation for an sm_90 target and the config the no-autotune path picks there, without compiling,
+and prints how many distinct kernels that makes. tools/gpu_check.sh runs the same tests and benchmark as parts of
+its own.
 
 Exits 2 with one line when CUDA is absent (unless --dry-run or --count-compiles), 1 when a part fails, 124 when a
-part hits --timeout (the whole process group is killed).
+part hits --timeout. Each part runs in its own process group, killed at the timeout, when the part ends and when
+this script is terminated.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
@@ -50,84 +54,73 @@ def _parts(args: argparse.Namespace) -> list[tuple[str, list[str], dict[str, str
     return parts
 
 
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
 def _run(title: str, cmd: list[str], env: dict[str, str], timeout_s: float) -> int:
-    """Run one part in its own process group; on timeout the whole group (pytest-xdist workers too) is killed."""
+    """Run one part in its own process group. At the timeout, at the part's end (leftovers) and when this script is
+    terminated (SIGTERM, SIGINT), the whole group is killed: pytest-xdist workers never outlive their part."""
     print(f"\n=== {title} (limit {timeout_s:g} s): {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+
+    def on_signal(signum, frame):
+        _kill_group(proc.pid)
+        sys.exit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc.pid)
         proc.wait()
         print(f"=== {title}: timed out after {timeout_s:g} s, process group killed", flush=True)
         return 124
+    finally:
+        _kill_group(proc.pid)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"=== {title}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
     return rc
 
 
 # ---------------------------------------------------------------- --count-compiles (CPU, no GPU needed)
-class _Recorder:
-    """Stands in for `attention_triton._kernel`: binds each launch's arguments the way Triton does before it
-    compiles (ints equal to 1 become constants, ints and pointers divisible by 16 are marked so) for an sm_90
-    target, and records the resulting compile key instead of launching anything."""
-
-    def __init__(self, attention_triton) -> None:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
-
-        self.at = attention_triton
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-        raw = {
-            "fwd": attention_triton.alibi_fwd_kernel,
-            "dkdv": attention_triton.alibi_bwd_dkdv_kernel,
-            "dq": attention_triton.alibi_bwd_dq_kernel,
-        }
-        self.binders = {
-            name: create_function_from_signature(fn.signature, fn.params, backend) for name, fn in raw.items()
-        }
-        self.keys: set[tuple] = set()
-        self.launches = 0
-
-    def __call__(self, name: str, block_d: int) -> _Recorder._Launch:
-        return _Recorder._Launch(self, name, block_d)
-
-    class _Launch:
-        def __init__(self, recorder: _Recorder, name: str, block_d: int) -> None:
-            self.recorder, self.name, self.block_d = recorder, name, block_d
-
-        def __getitem__(self, grid):
-            return self.launch
-
-        def launch(self, *args, **kwargs) -> None:
-            rec = self.recorder
-            rec.launches += 1
-            if kwargs.get("BLOCK_M") is None:  # autotuned: every candidate config is compiled
-                configs = rec.at._configs(self.name, self.block_d)
-                variants = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in configs]
-            else:
-                variants = [{}]
-            for extra in variants:
-                _, spec, options = rec.binders[self.name](*args, **{**kwargs, **extra})
-                rec.keys.add((self.name, tuple(spec), tuple(sorted(options.items()))))
-
-
 def count_compiles(quick: bool) -> int:
-    """Distinct compiled kernels the gpu-marked grids launch (autotuning off), counted on CPU."""
+    """Distinct compiled kernels the gpu-marked grids launch with autotuning off on an H100/H200, counted on CPU:
+    every launch is captured (alibi_kernels.attention_triton.captured_launches), bound with Triton's own argument
+    specialisation for sm_90, and given the config the no-autotune path picks there (the first that fits)."""
     os.environ["ALIBI_KERNELS_AUTOTUNE"] = "0"
     os.environ["ALIBI_KERNELS_GPU_GRID"] = "quick" if quick else "full"
     sys.path.insert(0, str(TESTS))
     import attention_cases
     import test_attention_varlen
     import test_gpu_grid
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
 
     import alibi_kernels.attention_triton as at
+    from alibi_kernels.launch_configs import GPU_TARGETS, launch_configs
     from alibi_kernels.validation import check_attention_inputs, check_varlen_inputs
 
-    at.INTERPRETED = False  # launch options as on CUDA
-    recorder = _Recorder(at)
-    at._kernel = recorder
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binders = {k: create_function_from_signature(f.signature, f.params, backend) for k, f in at.RAW_KERNELS.items()}
+    capability, smem = GPU_TARGETS["H100/H200 (sm_90)"]
+    keys: set[tuple] = set()
+    launches = 0
+
+    def record(captured) -> None:
+        nonlocal launches
+        for launch in captured:
+            launches += 1
+            head_dim = launch.constants["HEAD_DIM"]
+            config = launch_configs(
+                launch.kernel, capability=capability, smem_per_block=smem, dtype=launch.dtype, head_dim=head_dim
+            )[0]
+            _, spec, options = binders[launch.kernel](*launch.args, **launch.constants, **config.launch_kwargs())
+            keys.add((launch.kernel, tuple(spec), tuple(sorted(options.items()))))
 
     def dense(q, k, v, s, *, causal):
         _, slopes_2d, scale = check_attention_inputs(q, k, v, s, causal, None)
@@ -135,8 +128,10 @@ def count_compiles(quick: bool) -> int:
 
     for case in test_gpu_grid.GRID:
         q, k, v, do, slopes = test_gpu_grid.grid_inputs(*case, device="cpu")
-        attention_cases.forward_backward(dense, q, k, v, do, slopes, causal=case[3])
-    grid_keys = len(recorder.keys)
+        with at.captured_launches() as captured:
+            attention_cases.forward_backward(dense, q, k, v, do, slopes, causal=case[3])
+        record(captured)
+    grid_keys = len(keys)
     for case in test_attention_varlen.GPU_GRID:
         q, k, v, do, slopes, cu = test_attention_varlen.gpu_varlen_inputs(*case, device="cpu")
         shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu, None, slopes, None)
@@ -144,12 +139,14 @@ def count_compiles(quick: bool) -> int:
         def packed(q, k, v, s, *, causal, cu=cu, shape=shape, slopes_2d=slopes_2d, scale=scale):
             return at._AlibiAttention.apply(q, k, v, slopes_2d, causal, scale, cu, shape.max_seqlen)
 
-        attention_cases.forward_backward(packed, q, k, v, do, slopes, causal=case[3])
-    by_kernel = {name: sum(key[0] == name for key in recorder.keys) for name in ("fwd", "dkdv", "dq")}
+        with at.captured_launches() as captured:
+            attention_cases.forward_backward(packed, q, k, v, do, slopes, causal=case[3])
+        record(captured)
+    by_kernel = {name: sum(key[0] == name for key in keys) for name in at.RAW_KERNELS}
     print(
         f"grid {'quick' if quick else 'full'}: {len(test_gpu_grid.GRID)} dense cases + "
-        f"{len(test_attention_varlen.GPU_GRID)} packed cases, {recorder.launches} kernel launches, "
-        f"{len(recorder.keys)} distinct compilations ({grid_keys} for the dense grid; "
+        f"{len(test_attention_varlen.GPU_GRID)} packed cases, {launches} kernel launches, "
+        f"{len(keys)} distinct compilations ({grid_keys} for the dense grid; "
         + ", ".join(f"{n} {c}" for n, c in by_kernel.items())
         + ")"
     )
@@ -158,7 +155,7 @@ def count_compiles(quick: bool) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="quick test grid (144 + 16 cases) and benchmark sweep")
+    parser.add_argument("--quick", action="store_true", help="quick test grids and benchmark sweep")
     parser.add_argument("--skip-tests", action="store_true", help="only the benchmark")
     parser.add_argument("--skip-bench", action="store_true", help="only the tests")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per part (default 1800)")

@@ -3,7 +3,8 @@
 GPU (CUDA visible): this package's Triton kernels vs PyTorch SDPA with the ALiBi bias as a float mask vs
 FlexAttention with an ALiBi score_mod (vs flash-attn's alibi_slopes if installed); B=4, H=16, bf16, causal,
 D in {64, 128}, T in {512, ..., 8192}; forward and forward+backward TFLOP/s with causal FLOPs
-2*B*H*T^2*D (forward) and 3.5x that (forward+backward), plus peak memory.
+2*B*H*T^2*D (forward) and 3.5x that (forward+backward), peak memory, and beside each timing the method's max error
+against float64 (output, and the worst of dq, dk, dv).
 
 CPU: the torch path vs naive materialised attention (fp32), forward and forward+backward time and peak RSS growth,
 B=2, H=8, D=64, T in 64..1024. Each (method, T) runs in a fresh subprocess so its peak memory is its own.
@@ -200,7 +201,7 @@ def _gpu_methods(q, k, v, slopes):
 
 
 def _measure_gpu(setup, do):
-    """(output as fp32, forward ms, forward+backward ms, peak GiB) of one method."""
+    """(output and gradients of one forward+backward as fp32, forward ms, forward+backward ms, peak GiB)."""
     from triton.testing import do_bench
 
     torch.cuda.synchronize()
@@ -218,10 +219,36 @@ def _measure_gpu(setup, do):
     out.backward(do)
     torch.cuda.synchronize()
     peak = (persistent + torch.cuda.max_memory_allocated() - start) / 2**30
+    # (B, H, T, D) like the output: flash-attn's leaves are (B, T, H, D)
+    grads = [g if g.shape == out.shape else g.transpose(1, 2) for g in (leaf.grad for leaf in leaves)]
+    results = [out.detach().float()] + [g.detach().float() for g in grads]
     with torch.no_grad():
         fwd_ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
     fb_ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=list(leaves), return_mode="median")
-    return out.detach().float(), fwd_ms, fb_ms, peak
+    return results, fwd_ms, fb_ms, peak
+
+
+def _float64_reference(q, k, v, slopes, do):
+    """Output and (dq, dk, dv) in float64, a few heads at a time so the (T x T) scores stay within a few GiB."""
+    b, h, t, _ = q.shape
+    heads = max(1, min(h, (2 * 2**30) // (8 * b * t * t)))
+    outs, grads = [], [[], [], []]
+    for start in range(0, h, heads):
+        part = slice(start, start + heads)
+        leaves = [x.detach()[:, part].double().requires_grad_(True) for x in (q, k, v)]
+        out = alibi_attention_reference(*leaves, slopes[part], causal=True)
+        out.backward(do[:, part].double())
+        outs.append(out.detach())
+        for acc, leaf in zip(grads, leaves, strict=True):
+            acc.append(leaf.grad)
+        del out, leaves
+    return [torch.cat(outs, 1)] + [torch.cat(g, 1) for g in grads]
+
+
+def _max_error(results, reference) -> tuple[float, float]:
+    """(max |out - float64|, max over dq, dk, dv of max |grad - float64|)."""
+    errors = [(r.double() - ref).abs().max().item() for r, ref in zip(results, reference, strict=True)]
+    return errors[0], max(errors[1:])
 
 
 def run_gpu(quick: bool) -> None:
@@ -231,9 +258,10 @@ def run_gpu(quick: bool) -> None:
     print(f"GPU {torch.cuda.get_device_name()}, bf16, causal, B={GPU_B} H={GPU_H}, torch {torch.__version__}")
     print("TFLOP/s: causal FLOPs 2*B*H*T^2*D forward (4*B*H*T^2*D halved), 3.5x that for forward+backward; median of")
     print("triton.testing.do_bench after a warm-up call. Peak GiB: persistent buffers (the SDPA mask) plus the extra")
-    print("memory of one forward+backward, gradients included. max |diff|: vs this package's output.\n")
-    print("| D | T | method | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB | max abs diff | fwd+bwd vs flex |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("memory of one forward+backward, gradients included. out err, grad err: max |x - float64| of the output and")
+    print("of dq, dk, dv (the worst), each method on the same bf16 inputs; float64 is the materialised reference.\n")
+    print("| D | T | method | fwd TFLOP/s | fwd+bwd TFLOP/s | peak GiB | out err | grad err | fwd+bwd vs flex |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ours: dict[tuple[int, int], tuple[float, float, float | None]] = {}
     for d in ds:
         for t in ts:
@@ -243,23 +271,27 @@ def run_gpu(quick: bool) -> None:
             do = torch.randn_like(q)
             slopes = alibi_slopes(GPU_H).cuda()
             fwd_flops, fb_flops = causal_flops(GPU_B, GPU_H, t, d)
-            rows, baseline_out = {}, None
+            rows = {}
+            reference = _float64_reference(q, k, v, slopes, do)
             for name, setup in _gpu_methods(q, k, v, slopes).items():
                 try:
                     result = _measure_gpu(setup, do)
                 except Exception as exc:  # one failing baseline (OOM, compile error) must not hide the others
                     print(f"| {d} | {t} | {name} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]} |")
+                    for leaf in (q, k, v):
+                        leaf.grad = None
                     torch.cuda.empty_cache()
                     continue
-                out, fwd_ms, fb_ms, peak = result
-                if baseline_out is None:
-                    baseline_out = out
-                diff = (out - baseline_out).abs().max().item()
-                rows[name] = (fwd_flops / fwd_ms / 1e9, fb_flops / fb_ms / 1e9, peak, diff)
+                results, fwd_ms, fb_ms, peak = result
+                out_err, grad_err = _max_error(results, reference)
+                rows[name] = (fwd_flops / fwd_ms / 1e9, fb_flops / fb_ms / 1e9, peak, out_err, grad_err)
+                del results
+            del reference
             flex_fb = rows.get("flex-attention", (None, None))[1]
-            for name, (fwd_tf, fb_tf, peak, diff) in rows.items():
+            for name, (fwd_tf, fb_tf, peak, out_err, grad_err) in rows.items():
                 vs = f"{fb_tf / flex_fb:.2f}x" if flex_fb else "n/a"
-                print(f"| {d} | {t} | {name} | {fwd_tf:.1f} | {fb_tf:.1f} | {peak:.2f} | {diff:.2e} | {vs} |")
+                errors = f"{out_err:.2e} | {grad_err:.2e}"
+                print(f"| {d} | {t} | {name} | {fwd_tf:.1f} | {fb_tf:.1f} | {peak:.2f} | {errors} | {vs} |")
             if "alibi-kernels" in rows:
                 ours[(d, t)] = (rows["alibi-kernels"][0], rows["alibi-kernels"][1], flex_fb)
     print()

@@ -21,6 +21,7 @@ from attention_cases import (
 )
 
 from alibi_kernels import alibi_attention
+from alibi_kernels.launch_configs import KERNELS, TileConfig, candidate_configs
 
 pytestmark = NEEDS_INTERPRETER
 
@@ -89,18 +90,43 @@ def test_triton_rejects_float64():
         alibi_attention(q, k, v, backend="triton")
 
 
-@pytest.mark.parametrize("block_d", [16, 32, 64, 128, 256])
-def test_gpu_launch_options_without_autotuning(monkeypatch, block_d):
-    """ALIBI_KERNELS_AUTOTUNE=0 on CUDA launches the first config; fp32 gets smaller key tiles and fewer stages."""
+# Every (BLOCK_M, BLOCK_N) any kernel may launch with on a GPU (warps and stages do not exist in the interpreter).
+TILE_SHAPES = sorted(
+    {
+        (c.block_m, c.block_n)
+        for kernel in KERNELS
+        for dtype in (torch.bfloat16, torch.float32)
+        for d in (64, 128, 256)
+        for c in candidate_configs(kernel, dtype, d)
+    }
+)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("block_m", "block_n"), TILE_SHAPES, ids=[f"{m}x{n}" for m, n in TILE_SHAPES])
+def test_every_candidate_tile_shape_matches_float64(block_m, block_n, causal):
+    """Each tile shape of every kernel, pinned for all three: partial row and key tiles, Tq < Tk, GQA, slopes."""
+    from alibi_kernels.attention_triton import pinned_configs
+
+    tile = TileConfig(block_m, block_n, 4, 1)
+    q, k, v, do, slopes = make_inputs(1, 4, 2, 70, 150, 32, layout="bthd", seed=block_m + block_n)
+    with pinned_configs(fwd=tile, dkdv=tile, dq=tile):
+        out, grads = forward_backward(triton_path, q, k, v, do, slopes, causal=causal, slopes_grad=True)
+    ref_out, ref_grads = reference_fwd_bwd(q, k, v, do, slopes, causal=causal, slopes_grad=True)
+    assert_fp32_close("out", out, ref_out)
+    for name, g, r in zip(("dq", "dk", "dv", "dslopes"), grads, ref_grads, strict=True):
+        assert_fp32_close(name, g, r, rtol=FP32_GRAD_RTOL)
+
+
+def test_pinned_configs_rejects_an_unknown_kernel():
+    from alibi_kernels.attention_triton import pinned_configs
+
+    message = r"pinned_configs takes the kernels \('fwd', 'dkdv', 'dq'\), got \['bwd'\]"
+    with pytest.raises(ValueError, match=message), pinned_configs(bwd=TileConfig(32, 32, 4, 1)):
+        pass
+
+
+def test_t_bucket():
     import alibi_kernels.attention_triton as at
 
-    monkeypatch.setattr(at, "INTERPRETED", False)
-    monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", "1")
-    assert at._launch_options("fwd", block_d, torch.float16) == {}  # the autotuner picks
-    monkeypatch.setenv("ALIBI_KERNELS_AUTOTUNE", "0")
-    for name in ("fwd", "dkdv", "dq"):
-        half = at._launch_options(name, block_d, torch.bfloat16)
-        full = at._launch_options(name, block_d, torch.float32)
-        assert half["BLOCK_M"] >= 32 and half["BLOCK_N"] >= 32  # the dslope buffer assumes BLOCK_M >= 32
-        assert full["BLOCK_N"] <= 32 and full["num_stages"] <= 2
     assert at._t_bucket(1, 512) == 512 and at._t_bucket(513, 513) == 2048 and at._t_bucket(1, 4096) == 8192

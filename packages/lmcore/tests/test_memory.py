@@ -5,7 +5,7 @@ import pytest
 
 from lmcore import ModelConfig, estimate_memory, flops_per_token, n_params
 from lmcore.estimate_cli import main
-from lmcore.memory import activation_bytes
+from lmcore.memory import activation_bytes, largest_parameter
 
 XL = ModelConfig.from_preset("1.3b")
 
@@ -18,42 +18,124 @@ def test_mixed_precision_adam_is_16_bytes_per_parameter_without_zero():
     assert (fp32.parameters, fp32.gradients, fp32.optimizer_states) == (4 * psi, 4 * psi, 8 * psi)
 
 
-@pytest.mark.parametrize(
-    "stage, sharded",
-    [
-        (1, {"optimizer_states"}),
-        (2, {"optimizer_states", "gradients"}),
-        (3, {"optimizer_states", "gradients", "parameters"}),
-    ],
-)
-def test_each_zero_stage_divides_its_states_by_world_size(stage, sharded):
-    base = estimate_memory(XL, 2, 1024, "bf16", zero_stage=0, world_size=16)
-    est = estimate_memory(XL, 2, 1024, "bf16", zero_stage=stage, world_size=16)
-    for field in ("parameters", "gradients", "optimizer_states"):
-        expected = getattr(base, field) // 16 if field in sharded else getattr(base, field)
-        assert getattr(est, field) == expected, field
-    assert est.activations == base.activations  # data parallelism does not split activations
+@pytest.mark.parametrize("n", [1, 4, 16, 64])
+def test_zero2_gpu_states_are_deepspeeds_2_psi_plus_18_psi_over_n(n):
+    """16-bit parameters; 16-bit and fp32 gradient partitions; fp32 master, Adam m and v partitions."""
+    psi = n_params(XL)
+    est = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=n)
+    assert est.parameters == 2 * psi
+    assert est.gradients == 2 * psi // n + 4 * psi // n
+    assert est.optimizer_states == 3 * (4 * psi // n)
+    off = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=n, offload_optimizer=True)
+    assert off.model_states == 2 * psi  # only the 16-bit parameters stay on the GPU
 
 
-def test_offload_moves_the_sharded_optimizer_states_to_cpu():
-    on_gpu = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=16)
-    off = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=16, offload_optimizer=True)
-    assert off.optimizer_states == 0 and off.cpu_optimizer_states == on_gpu.optimizer_states
-    assert on_gpu.total - off.total == on_gpu.optimizer_states
+def test_zero1_keeps_the_full_16_bit_gradients_and_zero3_gathers_the_largest_parameter():
+    psi, n = n_params(XL), 16
+    zero1 = estimate_memory(XL, 2, 1024, "bf16", zero_stage=1, world_size=n)
+    assert zero1.gradients == 2 * psi + 4 * psi // n
+    zero3 = estimate_memory(XL, 2, 1024, "bf16", zero_stage=3, world_size=n)
+    assert zero3.parameters == 2 * psi // n + 4 * largest_parameter(XL) and zero3.gradients == 4 * psi // n
+    assert largest_parameter(XL) == XL.vocab_size * XL.d_model  # the embedding, 32000 x 2048
+    fp32 = estimate_memory(XL, 2, 1024, "fp32", zero_stage=2, world_size=n)
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer_states) == (4 * psi, 4 * psi // n, 8 * psi // n)
+
+
+def test_offload_moves_the_fp32_gradients_master_weights_and_adam_to_the_host():
+    psi, n = n_params(XL), 16
+    on_gpu = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=n)
+    off = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=n, offload_optimizer=True)
+    assert off.optimizer_states == 0 and off.gradients == 0 and on_gpu.host_offload == 0
+    # fp32 gradients, master, m, v (16 psi / n) + the 16-bit upload copy (2 psi / n) + the largest-parameter buffer
+    assert off.host_offload == 16 * psi // n + 2 * psi // n + 2 * largest_parameter(XL)
+    accumulating = estimate_memory(
+        XL, 2, 1024, "bf16", zero_stage=2, world_size=n, offload_optimizer=True, gradient_accumulation_steps=4
+    )
+    assert accumulating.host_offload - off.host_offload == 2 * psi // n
+    assert off.host_startup == 4 * psi  # each process builds the fp32 model on the host first
+    assert off.host_per_node(4) == 4 * max(off.host_startup, off.host_offload)
     with pytest.raises(ValueError, match="zero_stage >= 1"):
         estimate_memory(XL, 2, 1024, zero_stage=0, offload_optimizer=True)
+    with pytest.raises(ValueError, match="gpus_per_node must be a positive int, got 0"):
+        off.host_per_node(0)
+
+
+def _deepspeed_estimators():
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except ImportError:
+        pytest.skip("DeepSpeed is not installed (pip install deepspeed): its estimator is the yardstick")
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+@pytest.mark.parametrize("preset", ["125m", "1.3b"])
+@pytest.mark.parametrize("nodes, gpus_per_node", [(1, 1), (1, 4), (1, 8), (4, 4)])
+def test_gpu_model_states_equal_deepspeeds_zero2_and_zero3_estimators(preset, nodes, gpus_per_node):
+    zero2, zero3 = _deepspeed_estimators()
+    cfg = ModelConfig.from_preset(preset)
+    psi, n = n_params(cfg), nodes * gpus_per_node
+    for offload in (False, True):
+        est = estimate_memory(cfg, 1, 128, "bf16", zero_stage=2, world_size=n, offload_optimizer=offload)
+        _, ds_gpu = zero2(psi, num_gpus_per_node=gpus_per_node, num_nodes=nodes, cpu_offload=offload)
+        assert est.model_states == ds_gpu, (offload, est.model_states, ds_gpu)
+        est3 = estimate_memory(cfg, 1, 128, "bf16", zero_stage=3, world_size=n, offload_optimizer=offload)
+        _, ds_gpu3, _ = zero3(
+            psi, largest_parameter(cfg), gpus_per_node, nodes, cpu_offload=offload, cpu_offload_params=False
+        )
+        assert est3.model_states == ds_gpu3, (offload, est3.model_states, ds_gpu3)
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 4, 8, 16])
+def test_host_memory_on_one_node_is_deepspeeds_zero2_estimate_without_its_1_5_buffer_factor(gpus_per_node):
+    """DeepSpeed: 1.5 * max(4 * gpus, 16) * psi with offload, 1.5 * 4 * gpus * psi without: the larger of the
+    processes' fp32 start-up copies (4 psi each) and the offloaded states (16 psi over the node). Deliberate
+    difference: this estimate counts the buffers DeepSpeed 0.19 allocates (the 16-bit upload copy, 2 psi / N, and
+    the largest-parameter buffer) instead of a 1.5 margin; where the states are the larger term (up to 4 GPUs) it
+    lies between DeepSpeed's unmargined 16 psi and its 24 psi."""
+    zero2, _ = _deepspeed_estimators()
+    psi = n_params(XL)
+    for offload in (False, True):
+        est = estimate_memory(XL, 1, 128, "bf16", zero_stage=2, world_size=gpus_per_node, offload_optimizer=offload)
+        ds_cpu, _ = zero2(psi, num_gpus_per_node=gpus_per_node, num_nodes=1, cpu_offload=offload)
+        ours = est.host_per_node(gpus_per_node)
+        if not offload or gpus_per_node >= 8:  # the start-up copies are the larger term in both
+            assert ours == gpus_per_node * 4 * psi and 1.5 * ours == ds_cpu, (offload, ours, ds_cpu)
+        else:
+            assert 16 * psi < ours < ds_cpu, (ours, ds_cpu)
+
+
+def test_multi_node_offload_host_memory_counts_the_nodes_own_processes_not_every_gpu():
+    """DeepSpeed's ZeRO-2 offload estimate takes 4 * total_gpus * psi per node; its ZeRO-3 estimate and this one
+    count the node's own processes (4 nodes x 4 GPUs: 16 * psi per node, not 64 * psi)."""
+    zero2, _ = _deepspeed_estimators()
+    psi = n_params(XL)
+    est = estimate_memory(XL, 1, 128, "bf16", zero_stage=2, world_size=16, offload_optimizer=True)
+    ds_cpu, _ = zero2(psi, num_gpus_per_node=4, num_nodes=4, cpu_offload=True)
+    assert ds_cpu == 1.5 * 64 * psi
+    assert est.host_per_node(4) == 4 * 4 * psi
 
 
 def test_activation_formula_korthikanti():
     s, b, h, a, n_layer, v = 1024, 2, XL.d_model, XL.n_head, XL.n_layer, XL.vocab_size
     logits = 6 * s * b * v
-    assert activation_bytes(XL, b, s, "bf16", "off") == n_layer * s * b * h * (34 + 5 * a * s // h) + logits
+    materialised = activation_bytes(XL, b, s, "bf16", "off", fused_attention=False)
+    assert materialised == n_layer * s * b * h * (34 + 5 * a * s // h) + logits
+    assert activation_bytes(XL, b, s, "bf16", "off") == n_layer * (34 * s * b * h + 4 * a * s * b) + logits
     assert activation_bytes(XL, b, s, "bf16", "attention") == n_layer * 34 * s * b * h + logits
-    block = activation_bytes(XL, b, s, "bf16", "block")
+    block = activation_bytes(XL, b, s, "bf16", "block", fused_attention=False)
     assert block == n_layer * 2 * s * b * h + s * b * h * (34 + 5 * a * s // h) + logits
     assert activation_bytes(XL, b, s, "fp32", "off") == 2 * (activation_bytes(XL, b, s, "bf16", "off") - logits) + (
         4 * s * b * v
     )
+
+
+def test_fused_attention_keeps_no_scores_350m_at_its_recipe():
+    """350m, micro-batch 8 x 1024: materialised scores would make 22.8 GiB of activations, the fused kernel 7.9."""
+    cfg = ModelConfig.from_preset("350m")
+    assert round(activation_bytes(cfg, 8, 1024, "bf16", "off", fused_attention=False) / 2**30, 1) == 22.8
+    assert round(activation_bytes(cfg, 8, 1024, "bf16", "off") / 2**30, 1) == 7.9
+    assert estimate_memory(cfg, 8, 1024).activations == activation_bytes(cfg, 8, 1024, "bf16", "off")
 
 
 def test_checkpointing_argument_defaults_to_the_config():
@@ -63,7 +145,12 @@ def test_checkpointing_argument_defaults_to_the_config():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [(dict(precision="fp8"), "precision"), (dict(zero_stage=4), "zero_stage"), (dict(world_size=0), "world_size")],
+    [
+        (dict(precision="fp8"), "precision"),
+        (dict(zero_stage=4), "zero_stage"),
+        (dict(world_size=0), "world_size"),
+        (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps"),
+    ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -84,6 +171,19 @@ def test_cli_prints_the_table_and_the_verdict(capsys):
     assert fits == ["NO" if zero0.total > 24 * 2**30 else "yes", "NO" if zero2.total > 24 * 2**30 else "yes"]
 
 
+def test_cli_prints_host_memory_per_node_and_counts_scores_only_when_asked(capsys):
+    argv = ["--preset", "1.3b", "--gpus", "16", "--gpus-per-node", "4", "--zero", "2", "--offload-optimizer"]
+    assert main([*argv, "--micro-batch", "2", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    est = estimate_memory(XL, 2, 1024, "bf16", zero_stage=2, world_size=16, offload_optimizer=True)
+    node = [line for line in out.splitlines() if line.startswith("host per node ")][0]
+    assert node.split()[-1] == f"{est.host_per_node(4) / 2**30:.2f}" and "fused attention" in out
+    assert main([*argv, "--micro-batch", "2", "--seq-len", "1024", "--materialised-attention"]) == 0
+    scores = estimate_memory(XL, 2, 1024, "bf16", 2, 16, True, fused_attention=False)
+    activations = [line for line in capsys.readouterr().out.splitlines() if line.startswith("activations")][0]
+    assert activations.split()[-1] == f"{scores.activations / 2**30:.2f}"
+
+
 BAD_FLAGS = [
     (["--seq-len", "0"], ["--seq-len", "positive integer", "'0'"]),
     (["--seq-len", "-5"], ["--seq-len", "positive integer", "'-5'"]),
@@ -102,6 +202,8 @@ BAD_FLAGS = [
     (["--zero", "0", "--offload-optimizer"], ["--offload-optimizer", "ZeRO stage >= 1"]),
     (["--zero"], ["--zero", "expected at least one argument"]),
     (["--gpus", "16", "--nodes", "4"], ["unrecognized arguments", "--nodes"]),
+    (["--gpus", "16", "--gpus-per-node", "3"], ["--gpus-per-node 3 must divide --gpus 16"]),
+    (["--grad-accum", "0"], ["--grad-accum", "positive integer"]),
 ]
 
 

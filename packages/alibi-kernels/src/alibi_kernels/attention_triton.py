@@ -1,10 +1,12 @@
 """The Triton backend: launches the forward and backward kernels inside one autograd Function.
 
-On CUDA every kernel is autotuned per head-dim class (<= 64, <= 128, 256); the tuning key is a coarse sequence
-length bucket (<= 512, <= 2048, longer), the head dim, causality, packed or not, and the dtypes.
-ALIBI_KERNELS_AUTOTUNE=0 skips tuning and launches each class's first config. Under TRITON_INTERPRET=1 (CPU
-tensors, tests) a single small tile is used, so the interpreter stays fast and the multi-block, diagonal and tail
-paths are all exercised at small T.
+On CUDA each kernel is autotuned per dtype and head-dim class (<= 64, <= 128, 256) over the candidates of
+`launch_configs.py`, pruned first to those whose shared memory fits the device (Triton's `prune_configs_by`); the
+tuning key is a coarse sequence length bucket (<= 512, <= 2048, longer), the head dim, causality, packed or not,
+the slope gradient (dQ) and the dtypes. ALIBI_KERNELS_AUTOTUNE=0 skips tuning and launches the best candidate that
+fits. A device that no candidate fits gets one `LaunchConfigError` naming the device, the kernel, the dtype, the head
+dim and the fix, never Triton's "out of resources". Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small
+tile is used, so the interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
 
 Packed documents (`cu_seqlens`) run through the same kernels and the same autograd Function with VARLEN set: the
 "batch" program index is the document, the grid's sequence axis covers max_seqlen, and a packed (total, H, D) tensor
@@ -13,58 +15,214 @@ is passed with a batch stride of 0 (the kernels add cu_seqlens[doc] times the to
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
-from alibi_kernels.triton_backward import alibi_bwd_dkdv_kernel, alibi_bwd_dq_kernel, backward_configs
-from alibi_kernels.triton_forward import LOG2E, alibi_fwd_kernel, forward_configs
+from alibi_kernels.launch_configs import (
+    LaunchConfigError,
+    TileConfig,
+    candidate_configs,
+    has_measured_tiles,
+    launch_configs,
+)
+from alibi_kernels.triton_backward import alibi_bwd_dkdv_kernel, alibi_bwd_dq_kernel
+from alibi_kernels.triton_forward import LOG2E, alibi_fwd_kernel
 from alibi_kernels.validation import check_attention_inputs
 
-__all__ = ["alibi_attention_triton", "triton_attention_checked", "triton_varlen_checked", "INTERPRETED"]
+__all__ = [
+    "INTERPRETED",
+    "KernelLaunch",
+    "alibi_attention_triton",
+    "captured_launches",
+    "pinned_configs",
+    "triton_attention_checked",
+    "triton_varlen_checked",
+]
 
 # triton.jit decides at import time whether kernels are interpreted; record that decision.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-_INTERPRETER_BLOCK = 32
-_TUNE_KEY = ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "VARLEN"]
-_tuned: dict[tuple[str, int], object] = {}
+_INTERPRETER_TILE = TileConfig(32, 32, 4, 1)
+RAW_KERNELS = {"fwd": alibi_fwd_kernel, "dkdv": alibi_bwd_dkdv_kernel, "dq": alibi_bwd_dq_kernel}
+# The autotuning key: the dtypes of the tensor arguments are added by Triton itself.
+_TUNE_KEY = {
+    "fwd": ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "VARLEN"],
+    "dkdv": ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "VARLEN"],
+    "dq": ["T_BUCKET", "HEAD_DIM", "IS_CAUSAL", "VARLEN", "SLOPE_GRAD"],
+}
+_tuned: dict[tuple[str, torch.dtype, int], Any] = {}
+_picked: dict[tuple, TileConfig] = {}  # no-autotune path: (kernel, device, dtype, constants) -> the config that ran
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch as this package makes it: the positional arguments and the compile-time constants."""
+
+    kernel: str  # "fwd", "dkdv" or "dq"
+    args: tuple  # positional kernel arguments, in the kernel's order
+    constants: dict  # HEAD_DIM, BLOCK_D, IS_CAUSAL, VARLEN, UPCAST, DOT_PRECISION (and SLOPE_GRAD for dq)
+    dtype: torch.dtype  # dtype of q, k, v
+
+
+_captured: contextvars.ContextVar[list[KernelLaunch] | None] = contextvars.ContextVar(
+    "alibi_kernels_captured_launches", default=None
+)
+
+
+@contextlib.contextmanager
+def captured_launches() -> Iterator[list[KernelLaunch]]:
+    """Record the kernel launches made inside the block instead of running them (for compile checks without a GPU).
+
+    The outputs of a captured call are uninitialised; only the recorded launches mean anything.
+    """
+    launches: list[KernelLaunch] = []
+    token = _captured.set(launches)
+    try:
+        yield launches
+    finally:
+        _captured.reset(token)
+
+
+_pinned: contextvars.ContextVar[dict[str, TileConfig] | None] = contextvars.ContextVar(
+    "alibi_kernels_pinned_configs", default=None
+)
+
+
+@contextlib.contextmanager
+def pinned_configs(**configs: TileConfig) -> Iterator[None]:
+    """Launch the named kernels ("fwd", "dkdv", "dq") with the given tiles inside the block: no autotuning, no fit
+    check. The tests and the GPU check run every launchable config this way; under the interpreter only the tile
+    sizes matter (warps and stages are a compiler's).
+
+    Example:
+        >>> from alibi_kernels.launch_configs import TileConfig
+        >>> with pinned_configs(fwd=TileConfig(16, 32, 4, 1)):
+        ...     pass  # alibi_attention(..., backend="triton") here runs the forward with 16 x 32 tiles
+    """
+    unknown = sorted(set(configs) - set(RAW_KERNELS))
+    if unknown:
+        raise ValueError(f"pinned_configs takes the kernels {tuple(RAW_KERNELS)}, got {unknown}")
+    token = _pinned.set({**(_pinned.get() or {}), **configs})
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 def _autotune_enabled() -> bool:
-    # ALIBI_KERNELS_AUTOTUNE=0 launches each head dim's first config without benchmarking: a test grid over many
+    # ALIBI_KERNELS_AUTOTUNE=0 launches the best config that fits without benchmarking: a test grid over many
     # shapes then compiles one config per shape instead of every candidate.
     return os.environ.get("ALIBI_KERNELS_AUTOTUNE", "1") != "0"
 
 
-def _configs(name: str, block_d: int) -> list[triton.Config]:
-    return forward_configs(block_d) if name == "fwd" else backward_configs(block_d)
+def _device_limits(device: torch.device) -> tuple[tuple[int, int], int, str]:
+    """(compute capability, opt-in shared memory per block, name) of a CUDA device: the limit Triton's launcher
+    checks a compiled kernel against."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", None)
+    if smem is None:
+        smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return (props.major, props.minor), int(smem), props.name
 
 
-def _kernel(name: str, block_d: int):
-    """The kernel to launch: plain under the interpreter or without autotuning, else an autotuner."""
-    raw = {"fwd": alibi_fwd_kernel, "dkdv": alibi_bwd_dkdv_kernel, "dq": alibi_bwd_dq_kernel}[name]
-    if INTERPRETED or not _autotune_enabled():
-        return raw
-    cls = 64 if block_d <= 64 else (128 if block_d <= 128 else 256)
-    if (name, cls) not in _tuned:
-        _tuned[(name, cls)] = triton.autotune(configs=_configs(name, cls), key=_TUNE_KEY)(raw)
-    return _tuned[(name, cls)]
+def _device_configs(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> list[TileConfig]:
+    """The candidates that fit `device`; a clear error when none does. Capabilities without measured tiles (newer
+    GPUs) try every candidate and rely on the launch-time check."""
+    capability, smem, name = _device_limits(device)
+    if not has_measured_tiles(capability):
+        return list(candidate_configs(kernel, dtype, head_dim))
+    fitting = launch_configs(kernel, capability=capability, smem_per_block=smem, dtype=dtype, head_dim=head_dim)
+    if not fitting:
+        raise LaunchConfigError(_no_fit_message(kernel, name, capability, smem, dtype, head_dim))
+    return fitting
 
 
-def _launch_options(name: str, block_d: int, dtype: torch.dtype) -> dict:
-    """Tile sizes passed explicitly when the kernel is not autotuned (the autotuner skips configs that do not fit)."""
-    if INTERPRETED:
-        return {"BLOCK_M": _INTERPRETER_BLOCK, "BLOCK_N": _INTERPRETER_BLOCK}
+def _no_fit_message(kernel, name, capability, smem, dtype, head_dim) -> str:
+    return (
+        f"alibi-kernels: no {kernel} tile fits {name} (sm_{capability[0]}{capability[1]}, {smem} bytes of shared "
+        f"memory per block) for {dtype} at head dim {head_dim}; use bfloat16/float16 inputs or backend='torch'"
+    )
+
+
+def _prune(kernel: str, dtype: torch.dtype, head_dim: int) -> Callable:
+    """Triton's early_config_prune: drop the configs that cannot launch on the current device before tuning."""
+
+    def prune(configs, named_args, **kwargs):
+        device = named_args["Q"].device
+        fitting = set(_device_configs(kernel, device, dtype, head_dim))
+        kept = [c for c in configs if _tile_of(c) in fitting]
+        return kept
+
+    return prune
+
+
+def _tile_of(config: triton.Config) -> TileConfig:
+    return TileConfig(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+
+def _autotuner(kernel: str, dtype: torch.dtype, head_dim: int):
+    """One autotuner per kernel, dtype and head-dim class, pruned by what fits the device."""
+    d_class = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
+    key = (kernel, dtype, d_class)
+    if key not in _tuned:
+        configs = [
+            triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in candidate_configs(kernel, dtype, head_dim)
+        ]
+        prune = {"early_config_prune": _prune(kernel, dtype, head_dim)}
+        _tuned[key] = triton.autotune(configs=configs, key=_TUNE_KEY[kernel], prune_configs_by=prune)(
+            RAW_KERNELS[kernel]
+        )
+    return _tuned[key]
+
+
+def _launch(kernel: str, grid: Callable, args: tuple, constants: dict, dtype: torch.dtype) -> None:
+    """Launch `kernel` with the best config that fits the device (autotuned unless ALIBI_KERNELS_AUTOTUNE=0)."""
+    captured = _captured.get()
+    if captured is not None:
+        captured.append(KernelLaunch(kernel, args, dict(constants), dtype))
+        return
+    pinned = (_pinned.get() or {}).get(kernel)
+    if pinned is not None or INTERPRETED:  # one small tile: the interpreter stays fast, every multi-block path runs
+        RAW_KERNELS[kernel][grid](*args, **constants, **(pinned or _INTERPRETER_TILE).launch_kwargs())
+        return
+    device, head_dim = args[0].device, constants["HEAD_DIM"]
     if _autotune_enabled():
-        return {}
-    first = _configs(name, block_d)[0]
-    options = {**first.kwargs, "num_warps": first.num_warps, "num_stages": first.num_stages}
-    if dtype == torch.float32:
-        # fp32 tiles take twice the shared memory of the 16-bit tiles the configs are sized for.
-        options.update(BLOCK_N=min(options["BLOCK_N"], 32), num_stages=min(options["num_stages"], 2))
-    return options
+        try:
+            _autotuner(kernel, dtype, head_dim)[grid](*args, **constants)
+        except OutOfResources as exc:  # the measured table does not hold for this Triton version
+            capability, smem, name = _device_limits(device)
+            raise LaunchConfigError(_no_fit_message(kernel, name, capability, smem, dtype, head_dim)) from exc
+        return
+    key = (kernel, device, dtype, tuple(sorted(constants.items())))
+    configs = [_picked[key]] if key in _picked else _device_configs(kernel, device, dtype, head_dim)
+    for config in configs:
+        try:
+            RAW_KERNELS[kernel][grid](*args, **constants, **config.launch_kwargs())
+        except OutOfResources:
+            continue
+        _picked[key] = config
+        return
+    capability, smem, name = _device_limits(device)
+    raise LaunchConfigError(_no_fit_message(kernel, name, capability, smem, dtype, head_dim))
+
+
+def min_block_m(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
+    """The smallest query tile `kernel` may launch with: sizes the per-query-block slope-gradient buffer."""
+    pinned = (_pinned.get() or {}).get(kernel)
+    if pinned is not None:
+        return pinned.block_m
+    if INTERPRETED:
+        return _INTERPRETER_TILE.block_m
+    return min(c.block_m for c in candidate_configs(kernel, dtype, head_dim))
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -135,12 +293,12 @@ class _AlibiAttention(torch.autograd.Function):
 
         if layout.grid_q > 0:  # packed inputs of only empty documents launch nothing
             st = layout.strides
-            _kernel("fwd", block_d)[grid](
+            args = (
                 q, k, v, slopes32, out, lse, cu_seqlens,
                 *st(q), *st(k), *st(v), *st(out), stride_sb, slopes32.stride(1),
                 hq, hq // hkv, layout.q_len, layout.k_len, scale * LOG2E, t_bucket,
-                **common, **_launch_options("fwd", block_d, q.dtype),
             )  # fmt: skip
+            _launch("fwd", grid, args, common, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, slopes32, cu_seqlens)
         ctx.causal, ctx.scale, ctx.slopes_shape, ctx.layout = causal, scale, slopes_2d.shape, layout
         ctx.slopes_dtype = slopes_2d.dtype
@@ -175,24 +333,24 @@ class _AlibiAttention(torch.autograd.Function):
             return (triton.cdiv(layout.grid_k, meta["BLOCK_N"]), layout.n_seq * hkv)
 
         # Partial slope gradients, one per (sequence*head, query block); sized for the smallest candidate BLOCK_M.
-        min_block_m = _INTERPRETER_BLOCK if INTERPRETED else 32
+        smallest = min_block_m("dq", q.dtype, d)
         dslope_parts = torch.zeros(
-            (layout.n_seq * hq, triton.cdiv(layout.grid_q, min_block_m)), device=q.device, dtype=torch.float32
+            (layout.n_seq * hq, triton.cdiv(layout.grid_q, smallest)), device=q.device, dtype=torch.float32
         )
 
         def grid_q(meta):
             return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
 
         if layout.grid_q > 0:
-            _kernel("dkdv", block_d)[grid_kv](
-                q, k, v, slopes32, do, lse, delta, dk, dv, cu_seqlens, *strides, hq, hkv, hq // hkv, *sizes,
-                *scales, **common, **_launch_options("dkdv", block_d, q.dtype),
+            dkdv_args = (
+                q, k, v, slopes32, do, lse, delta, dk, dv, cu_seqlens, *strides, hq, hkv, hq // hkv, *sizes, *scales,
             )  # fmt: skip
-            _kernel("dq", block_d)[grid_q](
+            _launch("dkdv", grid_kv, dkdv_args, common, q.dtype)
+            dq_args = (
                 q, k, v, slopes32, do, lse, delta, dq, dslope_parts, cu_seqlens, dslope_parts.stride(0),
                 *strides, hq, hq // hkv, *sizes, *scales,
-                SLOPE_GRAD=slope_grad, **common, **_launch_options("dq", block_d, q.dtype),
             )  # fmt: skip
+            _launch("dq", grid_q, dq_args, {**common, "SLOPE_GRAD": slope_grad}, q.dtype)
 
         dslopes = None
         if slope_grad:

@@ -35,8 +35,7 @@ def _dkdv_inner(
     stride_qd,
     stride_dom,
     stride_dod,
-    start,  # first query row of the range (a multiple of BLOCK_M)
-    stop,  # end of the range
+    start,  # first query row (a multiple of BLOCK_M)
     offset,  # Tk - Tq: pos_i = i + offset
     slope2,  # slope * log2(e)
     qk_scale,  # softmax scale * log2(e)
@@ -45,33 +44,31 @@ def _dkdv_inner(
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    MASKED: tl.constexpr,  # rows past Tq, keys past Tk or the causal diagonal may occur in this range
     IS_CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    for start_m in range(start, stop, BLOCK_M):
+    # One loop over every query block, each tile masked. Three copies of this loop (masked diagonal, unmasked
+    # middle, masked tail, as the forward and dQ kernels have) kept three sets of loop state live beside k, v, dK
+    # and dV and spilled registers in every config; one copy spills in none of the 16-bit candidates at head dims
+    # 64 and 128 on sm_80..sm_90 (tests/test_launch_fit.py), for a few integer ops per score.
+    for start_m in range(start, Tq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Tq, MASKED, HEAD_DIM, BLOCK_D)
-        do = load_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, Tq, MASKED, HEAD_DIM, BLOCK_D)
+        q = load_tile(q_base, offs_m, offs_d, stride_qm, stride_qd, Tq, True, HEAD_DIM, BLOCK_D)
+        do = load_tile(do_base, offs_m, offs_d, stride_dom, stride_dod, Tq, True, HEAD_DIM, BLOCK_D)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        if MASKED:
-            lse = tl.load(lse_base + offs_m, mask=offs_m < Tq, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=offs_m < Tq, other=0.0)
-        else:
-            lse = tl.load(lse_base + offs_m)
-            delta = tl.load(delta_base + offs_m)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < Tq, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=offs_m < Tq, other=0.0)
         pos_i = offs_m + offset
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         distance_t = (offs_n[:, None] - pos_i[None, :]).to(tl.float32)
         p_t = tl.math.exp2(qk_t * qk_scale + slope2 * distance_t - lse[None, :])
-        if MASKED:
-            visible = (offs_n[:, None] < Tk) & (offs_m[None, :] < Tq)
-            if IS_CAUSAL:
-                visible = visible & (distance_t <= 0)
-            p_t = tl.where(visible, p_t, 0.0)
+        visible = (offs_n[:, None] < Tk) & (offs_m[None, :] < Tq)
+        if IS_CAUSAL:
+            visible = visible & (distance_t <= 0)
+        p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -153,22 +150,9 @@ def alibi_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query rows split in three ranges: [lo, a) masked (crosses the causal diagonal), [a, b) unmasked (every row
-    # sees every key of this block and lies before Tq), [b, Tq) masked (the tail). Causal: rows before
-    # start_n - offset see none of these keys and are skipped.
-    tq_ceil = tl.cdiv(Tq, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:
+    lo = 0
+    if IS_CAUSAL:  # query rows before start_n - offset see none of these keys
         lo = (tl.maximum(start_n - offset, 0) // BLOCK_M) * BLOCK_M
-        # First row that sees the block's last key: start_n + BLOCK_N - 1 - offset, rounded up to a block.
-        a = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
-        a = tl.minimum(tl.maximum(a, lo), tq_ceil)
-    else:
-        lo = 0
-        a = 0
-    # A partial key block masks every tile (tl.where, not a runtime `if`, keeps `a` one type in compiled code).
-    a = tl.where(start_n + BLOCK_N > Tk, tq_ceil, a)
-    b_end = tl.maximum(a, (Tq // BLOCK_M) * BLOCK_M)
-
     for g in range(0, GROUP):
         h = hkv * GROUP + g
         slope2 = tl.load(Slopes + b * stride_sb + h * stride_sh).to(tl.float32) * 1.4426950408889634
@@ -178,18 +162,8 @@ def alibi_bwd_dkdv_kernel(
         delta_base = Delta + lse_b + h * lse_h
         dk, dv = _dkdv_inner(
             dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
-            stride_dod, lo, a, offset, slope2, qk_scale, Tq, Tk,
-            BLOCK_M, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
-            stride_dod, a, b_end, offset, slope2, qk_scale, Tq, Tk,
-            BLOCK_M, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, UPCAST, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, offs_n, offs_d, q_base, do_base, lse_base, delta_base, stride_qm, stride_qd, stride_dom,
-            stride_dod, b_end, Tq, offset, slope2, qk_scale, Tq, Tk,
-            BLOCK_M, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, UPCAST, DOT_PRECISION,
+            stride_dod, lo, offset, slope2, qk_scale, Tq, Tk,
+            BLOCK_M, HEAD_DIM, BLOCK_D, IS_CAUSAL, UPCAST, DOT_PRECISION,
         )  # fmt: skip
     dk = dk * sm_scale
     kv_mask = (offs_n[:, None] < Tk) & (offs_d[None, :] < HEAD_DIM)

@@ -1,7 +1,7 @@
 """`lmcore-estimate`: print per-GPU training memory for a preset under ZeRO stages and say whether it fits.
 
 Example:
-    lmcore-estimate --preset 1.3b --gpus 16 --zero 0 2 --micro-batch 2 --seq-len 1024 --gpu-memory-gib 24
+    lmcore-estimate --preset 1.3b --gpus 16 --gpus-per-node 4 --zero 0 2 --micro-batch 2 --seq-len 1024
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
     p.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary size")
     p.add_argument("--gpus", type=positive_int, default=1, help="data-parallel world size (all nodes together)")
+    p.add_argument(
+        "--gpus-per-node", type=positive_int, default=None, help="GPU processes per node (default: all on one node)"
+    )
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3], help="ZeRO stage(s)")
     p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward")
@@ -52,11 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
     p.add_argument("--checkpointing", choices=CHECKPOINTING, default="off", help="activation checkpointing")
+    p.add_argument(
+        "--materialised-attention",
+        action="store_true",
+        help="count the (T x T) attention scores (default: the fused kernel, which keeps none)",
+    )
+    p.add_argument(
+        "--grad-accum", type=positive_int, default=1, help="gradient accumulation steps (host buffers under offload)"
+    )
     p.add_argument("--gpu-memory-gib", type=positive_float, default=24.0, help="memory of one GPU (24 for an RTX 3090)")
     return p
 
 
-def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float) -> str:
+def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float, gpus_per_node: int = 1) -> str:
     """A text table with one column per configuration, rows in GiB, and a fits line."""
     rows = [
         ("parameters", lambda e: e.parameters),
@@ -64,7 +75,8 @@ def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float) ->
         ("optimizer states", lambda e: e.optimizer_states),
         ("activations", lambda e: e.activations),
         ("total per GPU", lambda e: e.total),
-        ("optimizer on CPU", lambda e: e.cpu_optimizer_states),
+        ("host per process", lambda e: e.host_offload),
+        ("host per node", lambda e: e.host_per_node(gpus_per_node)),
     ]
     width = max(12, *(len(k) + 2 for k in estimates))
     lines = [f"{'GiB':<18}" + "".join(f"{k:>{width}}" for k in estimates)]
@@ -79,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table; bad input exits with status 2 and one `lmcore-estimate: error: ...` line."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    gpus_per_node = args.gpus if args.gpus_per_node is None else args.gpus_per_node
+    if gpus_per_node > args.gpus or args.gpus % gpus_per_node:
+        parser.error(f"--gpus-per-node {gpus_per_node} must divide --gpus {args.gpus} (GPUs of every node together)")
     if args.offload_optimizer and not any(args.zero):
         parser.error("--offload-optimizer needs a ZeRO stage >= 1 in --zero (ZeRO-Offload shards the optimizer first)")
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
@@ -95,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=args.gpus,
                 offload_optimizer=args.offload_optimizer and stage > 0,
                 activation_checkpointing=args.checkpointing,
+                fused_attention=not args.materialised_attention,
+                gradient_accumulation_steps=args.grad_accum,
             )
             for stage in args.zero
         }
@@ -103,10 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     n = next(iter(estimates.values())).n_params
     print(
         f"{args.preset}: {n:,} parameters, {args.gpus} GPU(s), micro-batch {args.micro_batch} x {seq_len} tokens, "
-        f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer}"
+        f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer}, "
+        f"{'materialised' if args.materialised_attention else 'fused'} attention, {gpus_per_node} GPU(s) per node"
     )
     print(f"training FLOPs per token at {seq_len} tokens: {flops_per_token(config, seq_len):.4g} (PaLM: 6N + 12LHQT)")
-    print(format_table(estimates, args.gpu_memory_gib))
+    print(format_table(estimates, args.gpu_memory_gib, gpus_per_node))
+    print(
+        "host per node: the larger of each process's fp32 model built on the CPU (4 bytes per parameter) and the "
+        "offloaded optimizer"
+    )
     return 0
 
 

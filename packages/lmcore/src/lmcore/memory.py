@@ -1,23 +1,38 @@
-"""Training memory per GPU: ZeRO's model-state accounting plus Korthikanti et al.'s activation formula.
+"""Training memory per GPU and per node: DeepSpeed's ZeRO model-state accounting plus Korthikanti et al.'s activations.
 
-Model states (Rajbhandari et al. 2020, "ZeRO", section 3.1), for Psi parameters:
-  mixed precision (bf16/fp16) Adam: 2 Psi (16-bit params) + 2 Psi (16-bit grads) + 12 Psi (fp32 master
-  params, momentum, variance); fp32 Adam: 4 Psi + 4 Psi + 8 Psi. Stage 1 divides the optimizer states by
-  the data-parallel world size N, stage 2 also the gradients, stage 3 also the parameters.
-  `offload_optimizer` moves the (sharded) optimizer states to CPU memory (ZeRO-Offload).
+Model states, for Psi parameters, mixed precision (bf16/fp16) Adam under DeepSpeed ZeRO stage 1 or 2 over N GPUs,
+as DeepSpeed 0.19's `estimate_zero2_model_states_mem_needs` counts them per GPU:
+  2 Psi 16-bit parameters + 18 Psi / N, where 18 = 2 (16-bit gradient partition) + 4 (fp32 gradient partition)
+  + 4 (fp32 master parameters) + 8 (Adam momentum and variance). Stage 1 keeps the full 16-bit gradients (2 Psi)
+  instead of their partition. Stage 3 partitions the 16-bit parameters too, counts one gradient partition (4 Psi / N)
+  and adds the largest parameter gathered in 16-bit with its gradient (4 bytes per element), as
+  `estimate_zero3_model_states_mem_needs` does. Stage 0 counts
+  the ZeRO paper's mixed-precision baseline, 2 + 2 + 12 bytes per parameter; fp32 training 4 + 4 + 8.
+  With `offload_optimizer` the GPU keeps only the 16-bit parameters (2 Psi, or 2 Psi / N and the gathered largest
+  parameter under stage 3); gradients leave the GPU as they are reduced.
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-eq. 1 without tensor/sequence parallelism), for s = seq_len, b = micro_batch, h = d_model, a = n_head, L layers,
-16-bit activations:
-  off:       L * s*b*h * (34 + 5*a*s/h)     bytes  (the 5as/h term is the s^2 attention scores/softmax/dropout)
-  attention: L * s*b*h * 34                 bytes  (selective recompute of the attention core;
-                                                    a fused/flash kernel stores no s^2 term either)
-  block:     L * 2*s*b*h + s*b*h*(34 + 5*a*s/h)   (each block keeps only its input; one block is
-                                                    rematerialised at a time during backward)
-  plus the output layer: b*s*V logits in the 16-bit compute dtype and their fp32 copy for the loss
-  (6 bytes per element; 4 in fp32). fp32 training doubles the activation bytes.
-Not counted: the CUDA context (about 0.3-1 GiB), allocator fragmentation, DeepSpeed's communication
-buckets (reduce/allgather bucket sizes) and temporary buffers: keep a margin.
+Host memory per node: each of the node's GPU processes first builds the model in fp32 on the host (4 Psi each:
+lmtrain builds `GPT(config)` on the CPU before DeepSpeed moves it), then, under offload, holds its partition of the
+optimizer in host memory. For stage 1 and 2, DeepSpeed 0.19 (`stage_1_and_2.py`) allocates per process: the fp32
+master partition (4 Psi / N, pinned), the fp32 gradient partition (4 Psi / N, pinned), Adam's momentum and variance
+(8 Psi / N), a 16-bit copy of the parameter partition for the upload (2 Psi / N, pinned), one 16-bit buffer the size
+of the largest parameter (pinned), and with gradient accumulation a 16-bit accumulation buffer per parameter of the
+partition (2 Psi / N, pinned). The peak per node is the larger of the start-up copies and the offload buffers.
+DeepSpeed's estimator instead multiplies by an `additional_buffer_factor` of 1.5 and, for ZeRO-2 with offload,
+counts 4 Psi per GPU of the whole job (`max(4 * total_gpus, 16) * Psi`) where only the node's own processes use its
+memory; stated as such in `tests/test_memory.py`, which compares both.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1
+without tensor/sequence parallelism), for s = seq_len, b = micro_batch, h = d_model, a = n_head, L layers, 16-bit:
+  materialised attention: L * s*b*h * (34 + 5*a*s/h) bytes (5as/h: the s^2 scores, softmax and dropout mask)
+  fused attention:        L * (s*b*h*34 + 4*a*s*b)  bytes (the kernel keeps no scores, only an fp32 log-sum-exp
+                                                     per query and head; alibi-kernels' Triton path)
+  checkpointing "attention" recomputes the attention core (no s^2 term either); "block" keeps each block's input
+  (2*s*b*h per layer) and rematerialises one block at a time during backward.
+  Plus the output layer: b*s*V logits in the 16-bit compute dtype and their fp32 copy for the loss (6 bytes per
+  element; 4 in fp32). fp32 training doubles the activation bytes.
+Not counted: the CUDA context (about 0.3-1 GiB), allocator fragmentation, DeepSpeed's communication buckets
+(reduce/allgather bucket sizes) and temporary buffers: keep a margin.
 """
 
 from __future__ import annotations
@@ -32,14 +47,15 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU (and optimizer bytes on CPU when offloaded) for one training configuration."""
+    """Bytes per GPU, and host bytes per GPU process, for one training configuration."""
 
     n_params: int
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    activations: int
-    cpu_optimizer_states: int
+    parameters: int  # GPU: the weights (16-bit, fp32 without DeepSpeed), partitioned under stage 3
+    gradients: int  # GPU: 16-bit gradients (full or partition) and the fp32 gradient partition
+    optimizer_states: int  # GPU: fp32 master weights, Adam momentum and variance (0 when offloaded)
+    activations: int  # GPU: what the forward keeps for the backward
+    host_offload: int  # host, per GPU process: the offloaded optimizer's buffers (0 without offload)
+    host_startup: int  # host, per GPU process: the fp32 model built on the CPU before it moves to the GPU
 
     @property
     def model_states(self) -> int:
@@ -50,16 +66,32 @@ class MemoryEstimate:
         """Everything on the GPU: model states plus activations."""
         return self.model_states + self.activations
 
+    def host_per_node(self, gpus_per_node: int) -> int:
+        """Peak host memory of one node running `gpus_per_node` GPU processes: start-up copies or offload buffers."""
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a positive int, got {gpus_per_node!r}")
+        return gpus_per_node * max(self.host_startup, self.host_offload)
+
     def fits(self, gpu_memory_bytes: int) -> bool:
         return self.total <= gpu_memory_bytes
 
 
 def activation_bytes(
-    config: ModelConfig, micro_batch: int, seq_len: int, precision: str = "bf16", checkpointing: str = "off"
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    checkpointing: str = "off",
+    fused_attention: bool = True,
 ) -> int:
-    """Activation memory of one forward pass kept for backward (formula in the module docstring)."""
+    """Activation memory of one forward pass kept for backward (formula in the module docstring).
+
+    `fused_attention=False` counts the (s x s) score matrices a materialised attention keeps (Korthikanti's eq. 1).
+    """
     s, b, h, a, n_layer = seq_len, micro_batch, config.d_model, config.n_head, config.n_layer
-    full_layer = s * b * h * 34 + 5 * a * s * s * b  # s*b*h*(34 + 5as/h), exact in integers
+    materialised = s * b * h * 34 + 5 * a * s * s * b  # s*b*h*(34 + 5as/h), exact in integers
+    fused = s * b * h * 34 + 4 * a * s * b  # the fp32 log-sum-exp instead of the scores
+    full_layer = fused if fused_attention else materialised
     if checkpointing == "off":
         layers = n_layer * full_layer
     elif checkpointing == "attention":
@@ -73,6 +105,11 @@ def activation_bytes(
     return layers + 6 * s * b * config.vocab_size
 
 
+def largest_parameter(config: ModelConfig) -> int:
+    """Elements of the model's largest single parameter: the token embedding (vocab x d_model), or the MLP's."""
+    return max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
+
+
 def estimate_memory(
     config: ModelConfig,
     micro_batch: int,
@@ -82,44 +119,68 @@ def estimate_memory(
     world_size: int = 1,
     offload_optimizer: bool = False,
     activation_checkpointing: str | None = None,
+    fused_attention: bool = True,
+    gradient_accumulation_steps: int = 1,
 ) -> MemoryEstimate:
     """Per-GPU training memory of `config` under data parallelism with ZeRO `zero_stage` over `world_size` GPUs.
 
-    `activation_checkpointing` is off / attention / block; None takes `config.checkpointing`.
+    `activation_checkpointing` is off / attention / block; None takes `config.checkpointing`. `fused_attention`
+    (default: alibi-kernels' Triton path) keeps no attention scores; False counts them. `gradient_accumulation_steps`
+    > 1 adds DeepSpeed's host accumulation buffers under offload.
 
     Example:
         >>> est = estimate_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", zero_stage=2, world_size=16)
-        >>> round(est.total / 2**30, 1), round(est.activations / est.total, 2)  # GiB per GPU, the activations' share
-        (10.7, 0.68)
+        >>> round(est.total / 2**30, 2), round(est.activations / est.total, 2)  # GiB per GPU, the activations' share
+        (7.26, 0.49)
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (
+        ("world_size", world_size),
+        ("micro_batch", micro_batch),
+        ("seq_len", seq_len),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if offload_optimizer and zero_stage == 0:
         raise ValueError("offload_optimizer needs zero_stage >= 1 (ZeRO-Offload shards the optimizer first)")
     checkpointing = config.checkpointing if activation_checkpointing is None else activation_checkpointing
 
-    psi = n_params(config)
-    if precision == "fp32":
-        param_b, grad_b, optim_b = 4 * psi, 4 * psi, 8 * psi  # fp32 weights, grads, Adam m and v
+    psi, n = n_params(config), world_size
+    shard = lambda stage: n if zero_stage >= stage else 1  # noqa: E731 (a divisor per ZeRO stage)
+    if precision == "fp32":  # fp32 weights, gradients, Adam m and v
+        param_b, half_grads, fp32_grads, master, adam = 4 * psi // shard(3), 0, 4 * psi // shard(2), 0, 8 * psi
+    elif zero_stage == 0:  # the ZeRO paper's mixed-precision baseline: 2 + 2 + 12 bytes per parameter
+        param_b, half_grads, fp32_grads, master, adam = 2 * psi, 2 * psi, 0, 4 * psi, 8 * psi
     else:
-        param_b, grad_b, optim_b = 2 * psi, 2 * psi, 12 * psi  # 16-bit weights/grads; fp32 master, m, v
-    n = world_size
-    optim_b = optim_b // n if zero_stage >= 1 else optim_b
-    grad_b = grad_b // n if zero_stage >= 2 else grad_b
-    param_b = param_b // n if zero_stage >= 3 else param_b
-    cpu_optim = optim_b if offload_optimizer else 0
+        param_b, half_grads, fp32_grads, master = 2 * psi // shard(3), 2 * psi // shard(2), 4 * psi // n, 4 * psi
+        adam = 8 * psi
+        if zero_stage == 3:  # one gradient partition (DeepSpeed's 18 = 2 + 4 + 4 + 8 for stage 3)
+            half_grads = 0
+    master, adam = master // shard(1), adam // shard(1)
+    if zero_stage == 3 and precision != "fp32":  # one parameter gathered in 16-bit, with its 16-bit gradient
+        param_b += 4 * largest_parameter(config)
+    host_offload = 0
+    if offload_optimizer:
+        # The optimizer steps on the host: the fp32 gradient partition, the master weights and Adam's states move
+        # there; stage 2 and 3 send each reduced gradient straight to it, stage 1 keeps the full 16-bit gradients.
+        host_offload = fp32_grads + master + adam
+        fp32_grads, master, adam = 0, 0, 0
+        half_grads = half_grads if zero_stage == 1 else 0
+        if zero_stage in (1, 2) and precision != "fp32":  # DeepSpeed 0.19 stage_1_and_2's pinned staging buffers
+            host_offload += 2 * psi // n + 2 * largest_parameter(config)
+            if gradient_accumulation_steps > 1:
+                host_offload += 2 * psi // n
+    grad_b, optim_b = half_grads + fp32_grads, master + adam
     return MemoryEstimate(
         n_params=psi,
         parameters=param_b,
         gradients=grad_b,
-        optimizer_states=0 if offload_optimizer else optim_b,
-        activations=activation_bytes(config, micro_batch, seq_len, precision, checkpointing),
-        cpu_optimizer_states=cpu_optim,
+        optimizer_states=optim_b,
+        activations=activation_bytes(config, micro_batch, seq_len, precision, checkpointing, fused_attention),
+        host_offload=host_offload,
+        host_startup=4 * psi,
     )

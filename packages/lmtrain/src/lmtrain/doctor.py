@@ -329,7 +329,8 @@ def check_memory(preset: str | None, gpus: list[dict], world_size: int) -> tuple
         return [Check(WARN, "memory", f"{need}; no GPU to compare", "")], n_params
     have = min(g["memory_total"] for g in gpus)
     if per_gpu > have:
-        fix = "use ZeRO offload, activation checkpointing (--set checkpointing=block) or a smaller micro_batch"
+        # The estimate already assumes ZeRO-2 with the optimizer offloaded: what is left is activations.
+        fix = "activation checkpointing (--set checkpointing=block) or a smaller micro_batch"
         return [Check(FAIL, "memory", f"{need} > {have / GiB:.1f} GiB", fix)], n_params
     status = WARN if per_gpu > 0.9 * have else OK
     return [Check(status, "memory", f"{need} of {have / GiB:.1f} GiB", "little headroom: lower micro_batch")], n_params
