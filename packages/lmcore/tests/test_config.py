@@ -1,9 +1,12 @@
 import dataclasses
+import typing
 
 import pytest
 import torch
 
+from alibi_kernels import BACKENDS
 from lmcore import GPT, PRESETS, ModelConfig, n_params
+from lmcore.config import ACTIVATIONS, ATTENTION_BACKENDS, CHECKPOINTING, INIT_SCHEMES, NORMS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -72,6 +75,35 @@ def test_cpu_small_is_a_few_million_parameters():
 def test_bad_configs_raise_value_error_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_a_bad_name_is_refused_listing_the_allowed_ones():
+    message = "ModelConfig.norm must be one of ('layernorm', 'rmsnorm'), got 'batchnorm'"
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_preset("tiny", norm="batchnorm")
+    assert str(error.value) == message
+
+
+LITERAL_FIELDS = {
+    "norm": NORMS,
+    "activation": ACTIVATIONS,
+    "init": INIT_SCHEMES,
+    "checkpointing": CHECKPOINTING,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+def test_literal_field_types_name_the_values_post_init_accepts():
+    hints = typing.get_type_hints(ModelConfig)  # resolved as lmtrain's --set resolves them
+    literal = {f.name for f in dataclasses.fields(ModelConfig) if typing.get_origin(hints[f.name]) is typing.Literal}
+    assert literal == set(LITERAL_FIELDS)
+    assert {name: typing.get_args(hints[name]) for name in LITERAL_FIELDS} == LITERAL_FIELDS
+    assert ATTENTION_BACKENDS == BACKENDS  # what alibi_kernels.alibi_attention takes
+
+
+@pytest.mark.parametrize("field, value", [(f, v) for f, values in LITERAL_FIELDS.items() for v in values])
+def test_every_name_of_a_literal_field_is_accepted(field, value):
+    assert getattr(ModelConfig.from_preset("tiny", **{field: value}), field) == value
 
 
 def test_unknown_preset_and_unknown_field_are_errors():

@@ -18,14 +18,16 @@ Check token files once when they are opened (lmtrain does) or call `lmcore.check
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 __all__ = ["compile_model"]
 
+M = TypeVar("M", bound=nn.Module)
 
-def compile_model(model: nn.Module, *, fullgraph: bool = True, **options: Any) -> nn.Module:
+
+def compile_model(model: M, *, fullgraph: bool = True, **options: Any) -> M:
     """Compile `model` in place (`nn.Module.compile`) and return it: the same object, so its state_dict keys, its
     attributes (`flops_per_token`, `config`) and checkpoints stay as they are.
 

@@ -5,14 +5,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-from alibi_kernels import BACKENDS
+# The names each string field of ModelConfig accepts, as types (so a type checker and lmtrain's `--set` know them)
+# and as tuples (what __post_init__ checks and its messages list).
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "swiglu"]
+InitScheme = Literal["gpt2", "kaiming", "xavier", "small"]
+Checkpointing = Literal["off", "attention", "block"]
+# alibi_kernels.BACKENDS as a type; tests/test_config.py checks that the two name the same backends.
+AttentionBackend = Literal["auto", "triton", "torch"]
 
-NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "swiglu")
-INIT_SCHEMES = ("gpt2", "kaiming", "xavier", "small")
-CHECKPOINTING = ("off", "attention", "block")
+NORMS: tuple[Norm, ...] = get_args(Norm)
+ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
+INIT_SCHEMES: tuple[InitScheme, ...] = get_args(InitScheme)
+CHECKPOINTING: tuple[Checkpointing, ...] = get_args(Checkpointing)
+ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = get_args(AttentionBackend)
+# Each Literal field with the names it accepts, in the order __post_init__ checks them.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "activation": ACTIVATIONS,
+    "norm": NORMS,
+    "init": INIT_SCHEMES,
+    "checkpointing": CHECKPOINTING,
+    "attention_backend": ATTENTION_BACKENDS,
+}
 # alibi_kernels.alibi_attention accepts head dims in this range (its Triton tiles need D >= 16).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -47,16 +63,16 @@ class ModelConfig:
     d_model: int = 768
     d_ff: int | None = None
     context_length: int = 1024
-    norm: str = "layernorm"
+    norm: Norm = "layernorm"
     norm_eps: float = 1e-5
-    activation: str = "gelu"
+    activation: Activation = "gelu"
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
-    init: str = "gpt2"
+    init: InitScheme = "gpt2"
     learnable_slopes: bool = False
-    checkpointing: str = "off"
-    attention_backend: str = "auto"
+    checkpointing: Checkpointing = "off"
+    attention_backend: AttentionBackend = "auto"
     document_separator: int | None = None
 
     def __post_init__(self) -> None:
@@ -80,27 +96,22 @@ class ModelConfig:
                 f"ModelConfig.d_model / n_head = {self.d_model // self.n_head} (the head dim) must be in "
                 f"{MIN_HEAD_DIM}..{MAX_HEAD_DIM}, the range alibi_kernels supports"
             )
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"ModelConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        # The Literal fields: a type checker sees their names, but values from JSON or the command line are strings.
+        for name, allowed in _CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got {value!r}")
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model if self.activation == "gelu" else 64 * math.ceil(8 * self.d_model / 3 / 64)
         if not isinstance(self.d_ff, int) or self.d_ff < 1:
             raise ValueError(f"ModelConfig.d_ff must be a positive int or None, got {self.d_ff!r}")
-        if self.norm not in NORMS:
-            raise ValueError(f"ModelConfig.norm must be one of {NORMS}, got {self.norm!r}")
         if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
             raise ValueError(f"ModelConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.init not in INIT_SCHEMES:
-            raise ValueError(f"ModelConfig.init must be one of {INIT_SCHEMES}, got {self.init!r}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ValueError(f"ModelConfig.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         for name in ("bias", "tie_embeddings", "learnable_slopes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"ModelConfig.attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         sep = self.document_separator
         if sep is not None and (not isinstance(sep, int) or isinstance(sep, bool) or not 0 <= sep < self.vocab_size):
             raise ValueError(
@@ -165,6 +176,7 @@ def n_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
         >>> n_params(tiny), sum(p.numel() for p in GPT(tiny).parameters())  # the closed form, and a model counted
         (106304, 106304)
     """
+    assert config.n_kv_head is not None and config.d_ff is not None  # __post_init__ replaces None by the default
     d, ff, v, b = config.d_model, config.d_ff, config.vocab_size, int(config.bias)
     kv = config.n_kv_head * config.head_dim
     norm = d * (2 if config.norm == "layernorm" and config.bias else 1)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,16 @@ _WALL_PER_CPU_SECOND = 4.0
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+class _Fp32Precision(Protocol):
+    fp32_precision: str
+
+
+def _matmul() -> _Fp32Precision:
+    """torch.backends.mkldnn.matmul, where fp32 GEMMs are routed."""
+    # torch replaces the torch.backends.mkldnn module by an object at import; its stubs do not declare `matmul`.
+    return torch.backends.mkldnn.matmul  # type: ignore[attr-defined]
+
+
 def cpu_has_native_bf16(flags: Iterable[str] | None = None) -> bool:
     """Whether the CPU multiplies bf16 in hardware: AVX512_BF16 or AMX-BF16 (x86).
 
@@ -84,8 +94,9 @@ def cpu_has_native_bf16(flags: Iterable[str] | None = None) -> bool:
         if isinstance(flags, str):
             raise TypeError("flags must be a collection of flag names, not one string (split it first)")
         return any(f.lower() in _BF16_FLAGS for f in flags)
-    detect = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if all(callable(d) for d in detect):
+    names = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    detect = [d for d in (getattr(torch.cpu, name, None) for name in names) if callable(d)]
+    if len(detect) == len(names):
         return any(d() for d in detect)
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
@@ -103,7 +114,7 @@ def cpu_matmul_library() -> str:
         >>> cpu_matmul_library()
         'mkl'
     """
-    return "mkl" if torch.backends.mkldnn.matmul.fp32_precision in ("none", "ieee") else "onednn"
+    return "mkl" if _matmul().fp32_precision in ("none", "ieee") else "onednn"
 
 
 def set_cpu_matmul_library(library: str) -> None:
@@ -115,7 +126,7 @@ def set_cpu_matmul_library(library: str) -> None:
     """
     if library not in ("onednn", "mkl"):
         raise ValueError(f"library must be 'onednn' or 'mkl', got {library!r}")
-    torch.backends.mkldnn.matmul.fp32_precision = _ROUTED if library == "onednn" else "none"
+    _matmul().fp32_precision = _ROUTED if library == "onednn" else "none"
 
 
 class GemmShape(NamedTuple):
@@ -124,7 +135,7 @@ class GemmShape(NamedTuple):
     rows: int
     in_features: int
     out_features: int
-    count: int = 1
+    count: int = 1  # type: ignore[assignment]  # the field shadows tuple.count, which a GemmShape has no use for
 
     @property
     def flops(self) -> int:
@@ -145,6 +156,7 @@ def model_gemm_shapes(config: ModelConfig, tokens: int) -> tuple[GemmShape, ...]
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int (micro batch x sequence length), got {tokens!r}")
+    assert config.n_kv_head is not None and config.d_ff is not None  # __post_init__ replaces None by the default
     d, kv, ff, n = config.d_model, config.n_kv_head * config.head_dim, config.d_ff, config.n_layer
     counts: dict[tuple[int, int], int] = {}
     n_in = 2 if config.activation == "swiglu" else 1
@@ -181,19 +193,19 @@ class MatmulProbe:
 
 @contextlib.contextmanager
 def _library(library: str) -> Iterator[None]:
-    saved = torch.backends.mkldnn.matmul.fp32_precision
+    saved = _matmul().fp32_precision
     set_cpu_matmul_library(library)
     try:
         yield
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = saved
+        _matmul().fp32_precision = saved
 
 
 def _rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-def _linear_step(shape: GemmShape, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+def _linear_step(shape: GemmShape, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Output, input gradient and weight gradient of F.linear at `shape`, on seeded inputs in `dtype`."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape.rows, shape.in_features, generator=g).to(dtype).requires_grad_()
@@ -202,6 +214,7 @@ def _linear_step(shape: GemmShape, dtype: torch.dtype, seed: int) -> tuple[torch
     grad_out = torch.randn(shape.rows, shape.out_features, generator=g).to(dtype)
     y = F.linear(x, w)
     y.backward(grad_out)
+    assert x.grad is not None and w.grad is not None  # both are leaves that require grad
     return y.detach(), x.grad, w.grad
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lmcore.model import KVCache
+from lmcore.model import GPT, KVCache
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -32,7 +32,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
 
 @torch.no_grad()
 def generate(
-    model: nn.Module,
+    model: GPT,
     input_ids: Tensor,
     max_new_tokens: int,
     *,

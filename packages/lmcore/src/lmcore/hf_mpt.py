@@ -15,7 +15,7 @@ training context (ALiBi extrapolates; the bias costs `n_head * max_seq_len` floa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from lmcore.extras import import_hf
 from lmcore.lora import LoRALinear, lora_modules
 
 if TYPE_CHECKING:
-    from lmcore.model import GPT
+    from lmcore.model import GPT, Block
 
 # How many training contexts an exported MPT covers by default (its `max_seq_len`).
 DEFAULT_CONTEXT_MULTIPLE = 4
@@ -101,8 +101,13 @@ def mpt_config(config: ModelConfig, max_seq_len: int | None = None, **token_ids:
     )
 
 
-def _weight(layer: nn.Module) -> torch.Tensor:
-    return (layer.base if isinstance(layer, LoRALinear) else layer).weight
+def _weight(layer: nn.Linear | LoRALinear) -> torch.Tensor:
+    return layer.base.weight if isinstance(layer, LoRALinear) else layer.weight
+
+
+def _blocks(model: GPT) -> list[Block]:
+    # nn.ModuleList is not generic (torch types its items as nn.Module); GPT.layers holds Blocks only.
+    return [cast("Block", block) for block in model.layers]
 
 
 def mpt_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -116,7 +121,7 @@ def mpt_state_dict(model: GPT) -> dict[str, torch.Tensor]:
         (['transformer.blocks.0.attn.Wqkv.weight', 'transformer.blocks.0.attn.out_proj.weight'], (192, 64))
     """
     state = {"transformer.wte.weight": model.embed_tokens.weight, "transformer.norm_f.weight": model.norm.weight}
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(_blocks(model)):
         attn, prefix = block.self_attn, f"transformer.blocks.{i}."
         state[prefix + "norm_1.weight"] = block.attn_norm.weight
         state[prefix + "attn.Wqkv.weight"] = torch.cat(
@@ -204,7 +209,7 @@ def to_peft(model: GPT, hf: Any, base_name_or_path: str | None = None) -> Any:
         hf.name_or_path = base_name_or_path  # what PEFT records as `base_model_name_or_path`
     peft_model = peft.get_peft_model(hf, peft_config(model))
     r, d = model.lora_settings["r"], model.config.d_model
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(_blocks(model)):
         attn, mpt_block = block.self_attn, peft_model.base_model.model.transformer.blocks[i]
         # Wqkv's output rows: q at [0, d), k at [d, 2d), v at [2d, 3d) (n_kv_head = n_head in an MPT export).
         qkv = [(j * d, m) for j, m in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)) if isinstance(m, LoRALinear)]
@@ -215,10 +220,10 @@ def to_peft(model: GPT, hf: Any, base_name_or_path: str | None = None) -> Any:
             for slot, (row, adapter) in enumerate(qkv):
                 a[slot * r : (slot + 1) * r] = adapter.lora_A
                 b[row : row + d, slot * r : (slot + 1) * r] = adapter.lora_B
-        for adapter, path in ((attn.o_proj, "attn.out_proj"), (block.mlp.up_proj, "ffn.up_proj"),
-                              (block.mlp.down_proj, "ffn.down_proj")):  # fmt: skip
-            if isinstance(adapter, LoRALinear):
+        for layer, path in ((attn.o_proj, "attn.out_proj"), (block.mlp.up_proj, "ffn.up_proj"),
+                            (block.mlp.down_proj, "ffn.down_proj")):  # fmt: skip
+            if isinstance(layer, LoRALinear):
                 target = mpt_block.get_submodule(path)
-                target.lora_A["default"].weight.copy_(adapter.lora_A)
-                target.lora_B["default"].weight.copy_(adapter.lora_B)
+                target.lora_A["default"].weight.copy_(layer.lora_A)
+                target.lora_B["default"].weight.copy_(layer.lora_B)
     return peft_model.eval()

@@ -14,16 +14,20 @@ residual output projections (`o_proj`, `down_proj`) specially where the scheme s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from lmcore.model import GPT
+
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
 
 
-def _weights(model: nn.Module):
+def _weights(model: nn.Module) -> Iterator[tuple[str, nn.Linear | nn.Embedding, bool]]:
     """(name, module, is_residual) for every Linear/Embedding weight, each shared weight once."""
     seen: set[int] = set()
     for name, module in model.named_modules():
@@ -33,21 +37,23 @@ def _weights(model: nn.Module):
 
 
 def _reset_norms_and_biases(model: nn.Module) -> None:
+    from lmcore.model import RMSNorm  # imported here: lmcore.model imports this module at its top
+
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm) or type(module).__name__ == "RMSNorm":
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
             nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
+            if isinstance(module, nn.LayerNorm) and module.bias is not None:  # RMSNorm has no bias
                 nn.init.zeros_(module.bias)
 
 
-def _n_layer(model: nn.Module) -> int:
+def _n_layer(model: GPT) -> int:
     return model.config.n_layer
 
 
 @torch.no_grad()
-def init_gpt2(model: nn.Module) -> None:
+def init_gpt2(model: GPT) -> None:
     """GPT-2 / Megatron: normal(0, 0.02), residual outputs 0.02 / sqrt(2 * n_layer). Example: `init_gpt2(model)`."""
     residual_std = 0.02 / math.sqrt(2 * _n_layer(model))
     for _, module, residual in _weights(model):
@@ -56,7 +62,7 @@ def init_gpt2(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_kaiming(model: nn.Module) -> None:
+def init_kaiming(model: GPT) -> None:
     """MPT: kaiming_normal_(fan_in, relu), residual outputs divided by sqrt(2 * n_layer). Example: `init_kaiming(m)`."""
     div = math.sqrt(2 * _n_layer(model))
     for _, module, residual in _weights(model):
@@ -67,7 +73,7 @@ def init_kaiming(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_xavier(model: nn.Module) -> None:
+def init_xavier(model: GPT) -> None:
     """xavier_normal_ on every weight, no residual scaling. Example: `init_xavier(model)`."""
     for _, module, _ in _weights(model):
         nn.init.xavier_normal_(module.weight)
@@ -75,7 +81,7 @@ def init_xavier(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_small(model: nn.Module) -> None:
+def init_small(model: GPT) -> None:
     """Small init sqrt(2/(5d)) with Wang's 2/(n_layer sqrt(d)) on residual outputs. Example: `init_small(model)`."""
     d, n_layer = model.config.d_model, _n_layer(model)
     for _, module, residual in _weights(model):
@@ -84,7 +90,7 @@ def init_small(model: nn.Module) -> None:
     _reset_norms_and_biases(model)
 
 
-INIT_FUNCTIONS: dict[str, Callable[[nn.Module], None]] = {
+INIT_FUNCTIONS: dict[str, Callable[[GPT], None]] = {
     "gpt2": init_gpt2,
     "kaiming": init_kaiming,
     "xavier": init_xavier,
@@ -92,7 +98,7 @@ INIT_FUNCTIONS: dict[str, Callable[[nn.Module], None]] = {
 }
 
 
-def initialize(model: nn.Module, scheme: str) -> None:
+def initialize(model: GPT, scheme: str) -> None:
     """Apply the scheme named `scheme` (a key of INIT_FUNCTIONS) to `model` in place."""
     if scheme not in INIT_FUNCTIONS:
         raise ValueError(f"unknown init scheme {scheme!r}; choose one of {sorted(INIT_FUNCTIONS)}")
@@ -112,7 +118,7 @@ class InitReport:
         return "\n".join(lines)
 
 
-def init_report(model: nn.Module, batch: Tensor | tuple[Tensor, Tensor]) -> InitReport:
+def init_report(model: GPT, batch: Tensor | tuple[Tensor, Tensor]) -> InitReport:
     """Measure activation RMS after the embedding, every block and the final norm, and the gradient norm of each.
 
     `batch` is `(inputs, targets)` or just `inputs` (then targets are the inputs shifted by one).
@@ -153,7 +159,7 @@ def init_report(model: nn.Module, batch: Tensor | tuple[Tensor, Tensor]) -> Init
     try:
         loss = model(inputs, targets).loss
         loss.backward()
-        rows = []
+        rows: list[dict[str, float | str]] = []
         for name, module in probes.items():
             grads = [p.grad.float().pow(2).sum() for p in module.parameters() if p.grad is not None]
             grad_norm = torch.stack(grads).sum().sqrt().item() if grads else float("nan")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
@@ -28,6 +30,9 @@ TARGET_MODULES = {
 }
 DEFAULT_TARGETS = ("q", "k", "v", "o")
 
+# apply_lora, merge_lora and load_lora change a model in place and return it: the caller's type comes back.
+M = TypeVar("M", bound=nn.Module)
+
 
 class LoRALinear(nn.Module):
     """A frozen nn.Linear plus a trainable low-rank update scaled by alpha / r."""
@@ -37,9 +42,9 @@ class LoRALinear(nn.Module):
         self.base = base
         self.r, self.alpha = r, alpha
         self.scaling = alpha / r
-        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **factory))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **factory))
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=device, dtype=dtype))
         # The same kaiming-uniform nn.Linear and PEFT use for A; B = 0 keeps the output unchanged at step 0.
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.lora_dropout = nn.Dropout(dropout)
@@ -73,12 +78,12 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def apply_lora(
-    model: nn.Module,
+    model: M,
     targets: Iterable[str] = DEFAULT_TARGETS,
     r: int = 8,
     alpha: float = 16.0,
     dropout: float = 0.0,
-) -> nn.Module:
+) -> M:
     """Replace the target linear layers of `model` by LoRA adapters in place and freeze everything else.
 
     `targets`: any of q, k, v, o, gate, up, down, or "mlp" for all MLP layers. Afterwards only the
@@ -109,12 +114,13 @@ def apply_lora(
         p.requires_grad_(False)
     for parent, attr in found:
         setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
-    model.lora_settings = {"targets": sorted(wanted), "r": r, "alpha": alpha, "dropout": dropout}
+    # torch annotates nn.Module.__setattr__'s value as Tensor | Module; any other value is a plain attribute.
+    model.lora_settings = {"targets": sorted(wanted), "r": r, "alpha": alpha, "dropout": dropout}  # type: ignore[assignment]
     return model
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module) -> nn.Module:
+def merge_lora(model: M) -> M:
     """Fold every adapter into its base weight and put the plain nn.Linear back; all parameters require grad again.
 
     Example:
@@ -142,7 +148,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def save_lora(model: nn.Module, path: str | Path) -> Path:
+def save_lora(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Write only the adapter weights (A and B) to a safetensors file, with r, alpha, dropout, targets as metadata.
 
     Example:
@@ -172,7 +178,7 @@ def save_lora(model: nn.Module, path: str | Path) -> Path:
     return path
 
 
-def load_lora(model: nn.Module, path: str | Path) -> nn.Module:
+def load_lora(model: M, path: str | os.PathLike[str]) -> M:
     """Load adapters saved by `save_lora` into `model`, applying LoRA first (with the saved settings) if needed.
 
     A key or shape that does not match the model raises ValueError naming it.

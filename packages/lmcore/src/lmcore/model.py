@@ -7,7 +7,7 @@ patterns written for that layout (`layers.*.self_attn.o_proj`) apply unchanged.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,9 +86,10 @@ class KVCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append this step's (B, Hkv, T, D) keys/values to `layer` and return everything cached so far."""
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
+        cached_k, cached_v = self.keys[layer], self.values[layer]
+        if cached_k is not None and cached_v is not None:  # both None before the first update, both set after
+            k = torch.cat([cached_k, k], dim=2)
+            v = torch.cat([cached_v, v], dim=2)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
@@ -106,15 +107,20 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
+def make_norm(config: ModelConfig) -> RMSNorm | nn.LayerNorm:
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps, bias=config.bias)
 
 
 class Attention(nn.Module):
+    # One of the two exists: the learnable log-slopes (a parameter) or the fixed slopes (a buffer).
+    log_slopes: nn.Parameter
+    slopes: Tensor
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        assert config.n_kv_head is not None  # __post_init__ replaces None by n_head
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.backend = config.attention_backend
@@ -180,6 +186,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        assert config.d_ff is not None  # __post_init__ replaces None by the activation's default
         self.swiglu = config.activation == "swiglu"
         if self.swiglu:
             self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
@@ -218,6 +225,9 @@ class GPT(nn.Module):
         >>> out.logits.shape, out.loss.ndim
         (torch.Size([2, 16, 97]), 0)
     """
+
+    # Set by lmcore.lora.apply_lora (targets, r, alpha, dropout) while the model has adapters; absent otherwise.
+    lora_settings: dict[str, Any]
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
