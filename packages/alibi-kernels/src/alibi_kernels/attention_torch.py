@@ -141,7 +141,7 @@ def clear_bias_cache() -> None:
     _SLOPE_VALUES.clear()
 
 
-_MATMUL = torch.backends.mkldnn.matmul
+_MATMUL = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # in torch 2.13, not in its stubs
 # fp32_precision values that keep fp32 GEMMs on the BLAS library (MKL), not oneDNN.
 _UNROUTED = ("none", "ieee")
 

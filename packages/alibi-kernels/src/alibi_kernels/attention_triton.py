@@ -255,6 +255,8 @@ class _Layout:
         if cu_seqlens is None:  # (B, H, T, D)
             return _Layout(q.shape[0], q.shape[2], k.shape[2], q.shape[2], k.shape[2], False)
         total = q.shape[0]  # (total, H, D)
+        if max_seqlen is None:
+            raise ValueError("a packed call needs max_seqlen (check_varlen_inputs gives it)")
         return _Layout(cu_seqlens.numel() - 1, total, total, max_seqlen, max_seqlen, True)
 
     def strides(self, t: torch.Tensor) -> tuple[int, int, int, int]:

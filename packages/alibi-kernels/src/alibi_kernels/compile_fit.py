@@ -23,6 +23,7 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def kernel_launches(
         k, v = (torch.randn(256, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
         cu = torch.tensor([0, 100, 256], dtype=torch.int32)
         shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu, None, None, None)
-        extra = (cu, shape.max_seqlen)
+        extra: tuple[Any, ...] = (cu, shape.max_seqlen)
     else:
         q = torch.randn(2, 4, 256, head_dim, generator=gen).to(dtype)  # (B, Hq, T, D)
         k, v = (torch.randn(2, 2, 256, head_dim, generator=gen).to(dtype) for _ in range(2))
@@ -288,7 +289,7 @@ def fit_rows(grid: FitGrid, workers: int = 1) -> list[FitRow]:
             for kernel in KERNELS:
                 for target, (capability, smem) in GPU_TARGETS.items():
                     compiled_as, ptxas = grid.compiled_as[target]
-                    kwargs = {"capability": capability, "dtype": dtype, "head_dim": head_dim}
+                    kwargs: dict[str, Any] = {"capability": capability, "dtype": dtype, "head_dim": head_dim}
                     for config in launch_configs(kernel, smem_per_block=smem, **kwargs):
                         table = shared_memory_bytes(kernel, config, **kwargs)
                         job = (kernel, dtype, head_dim, config, compiled_as, ptxas)

@@ -62,6 +62,8 @@ class VarlenShape:
 
     def documents(self) -> list[tuple[int, int]]:
         """(start, stop) token range of every document, empty ones included."""
+        if self.cu_seqlens is None:
+            raise ValueError("VarlenShape.documents(): the boundaries were trusted, not copied to the host")
         return list(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True))
 
 

@@ -107,6 +107,7 @@ def activation_bytes(
 
 def largest_parameter(config: ModelConfig) -> int:
     """Elements of the model's largest single parameter: the token embedding (vocab x d_model), or the MLP's."""
+    assert config.d_ff is not None  # __post_init__ replaces None by the activation's default
     return max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
 
 

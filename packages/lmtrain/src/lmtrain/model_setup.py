@@ -13,7 +13,7 @@ def estimate_run_memory(preset: str, n_gpus: int = 1) -> tuple[int, int]:
     Example:
         >>> n, per_gpu = estimate_run_memory("1.3b", n_gpus=16)  # ZeRO-2 over 16 GPUs, optimizer states on the CPU
         >>> f"{n / 1e9:.2f}B parameters, {per_gpu / 2**30:.1f} GiB per GPU"
-        '1.27B parameters, 9.8 GiB per GPU'
+        '1.27B parameters, 5.9 GiB per GPU'
     """
     import lmcore
     from lmtrain.recipes import recipe_named
