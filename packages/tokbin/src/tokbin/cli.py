@@ -26,6 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--byte-fallback", action="store_true")
     t.add_argument("--user-defined-symbols", nargs="*", default=None, metavar="SYMBOL")
     t.add_argument("--input-sentence-size", type=int, default=0, help="sample this many lines (0: all)")
+    t.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="train on lines up to this long (SentencePiece's default: 4192; longer lines are left out)",
+    )
     t.add_argument("--threads", type=int, default=None)
 
     e = sub.add_parser("encode", help="encode text, JSONL or Parquet inputs into a token file or shard directory")
@@ -73,6 +80,10 @@ def _run(args: argparse.Namespace) -> None:
             options.update(input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True)
         if args.threads:
             options["num_threads"] = args.threads
+        if args.max_sentence_length is not None:
+            if args.max_sentence_length < 1:
+                raise ValueError(f"--max-sentence-length must be >= 1, got {args.max_sentence_length}")
+            options["max_sentence_length"] = args.max_sentence_length
         if args.quiet:
             options["minloglevel"] = 2
         model = train_tokenizer(
