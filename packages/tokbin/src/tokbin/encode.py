@@ -401,6 +401,8 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
                 close_shard(w, Position(n_inputs, 0, 1))
             else:
                 w.discard()
+                if manifest["shards"]:  # what followed the last shard was all held out: it ends the input too
+                    manifest["shards"][-1]["end"] = [n_inputs, 0, 1]
     if not manifest["shards"]:
         raise TokenFileError(out, "no tokens to write: expected at least one id, found empty input")
 
