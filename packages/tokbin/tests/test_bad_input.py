@@ -1,6 +1,9 @@
 """Every bad input to every ``tokbin`` subcommand: exit code 2, one line naming the file (and line or row), what was
 expected and what was found, no traceback, and no output left that opens as valid."""
 
+import gzip
+import json
+import shutil
 import subprocess
 import sys
 
@@ -8,6 +11,9 @@ import pytest
 
 from tokbin import encode_files
 from tokbin.cli import main
+from tokbin.shards import MANIFEST
+
+LONG_LINE_BYTES = 5000
 
 CASES = [
     # (id, argv with {placeholders}, expected words in the one-line error)
@@ -47,8 +53,32 @@ CASES = [
      ["workers must be >= 1, got 0"]),
     ("split docs of JSONL", ["encode", "--tokenizer", "{model}", "--input", "{no_field}", "--output", "{out}",
                              "--jsonl-field", "text", "--split-docs"], ["split_docs applies to plain text"]),
-    ("negative shard size", ["encode", "--tokenizer", "{model}", "--input", "{good}", "--output", "{tmp}/s",
-                             "--shard-mb", "-1"], ["--shard-mb must be > 0, got -1"]),
+    *[(f"shard size {mb}", ["encode", "--tokenizer", "{model}", "--input", "{good}", "--output", "{tmp}/s",
+                            "--shard-mb", mb], [f"--shard-mb must be a finite number > 0, got {float(mb)}"])
+      for mb in ("-1", "0", "inf", "nan")],
+    *[(f"damaged gzip: {name}", ["encode", "--tokenizer", "{model}", "--input", f"{{{name}}}", "--output", "{out}"],
+       [f"{name}.txt.gz: damaged gzip data after", reason, "expected a whole gzip file"])
+      for name, reason in [("truncated", "Compressed file ended before the end-of-stream marker"),
+                           ("bad_crc", "CRC check failed"), ("bad_deflate", "Error -3 while decompressing"),
+                           ("not_gzip", "Not a gzipped file")]],
+    ("long lines", ["train-tokenizer", "--input", "{long}", "--model-prefix", "{tmp}/m", "--vocab-size", "300"],
+     ["m: SentencePiece training failed: no line of", "long.txt fits max_sentence_length (4192 bytes; the longest is "
+      f"{LONG_LINE_BYTES})", "--max-sentence-length"]),
+    ("only blank lines to train on", ["train-tokenizer", "--input", "{blank_lines}", "--model-prefix", "{tmp}/m",
+                                      "--vocab-size", "300"], ["blank_lines.txt to train on", "only empty lines"]),
+    ("only spaces to train on", ["train-tokenizer", "--input", "{spaces}", "--model-prefix", "{tmp}/m",
+                                 "--vocab-size", "300"], ["spaces.txt to train on", "only spaces"]),
+    ("max sentence length 0", ["train-tokenizer", "--input", "{good}", "--model-prefix", "{tmp}/m", "--vocab-size",
+                               "300", "--max-sentence-length", "0"], ["--max-sentence-length must be >= 1, got 0"]),
+    ("manifest without its last shard", ["info", "{without_last}"],
+     ["without_last/manifest.json: the last shard listed ends at", "not at the end of the 1 inputs",
+      "expected every shard the encode wrote listed"]),
+    ("manifest without its first shard", ["info", "{without_first}"],
+     ["without_first/manifest.json: shards[0] is 'shard-00001.bin': expected 'shard-00000.bin'"]),
+    ("manifest total edited", ["info", "{total_edited}"],
+     ["total_edited/manifest.json: n_tokens: the manifest says 1000, its 5 shards hold"]),
+    ("manifest total of the wrong type", ["info", "{total_typed}"],
+     ["total_typed/manifest.json: n_docs: expected the total as an int >= 0, found 'many'"]),
     ("shard checksum mismatch", ["verify", "{damaged}", "--quiet"],
      ["shard-00001.bin: data checksum mismatch", "expected sha256"]),
     ("shard of another encode", ["encode", "--tokenizer", "{model}", "--input", "{good}", "--output", "{damaged}",
@@ -78,6 +108,14 @@ def files(tmp_path_factory, lossless_model, other_model, corpus):
         return path
 
     paths["good"] = put("good.txt", corpus.read_text(encoding="utf-8")[:20_000])
+    packed = gzip.compress(corpus.read_bytes(), mtime=0)
+    put("truncated.txt.gz", packed[: len(packed) // 2])
+    put("bad_crc.txt.gz", packed[:-8] + bytes(b ^ 0xFF for b in packed[-8:-4]) + packed[-4:])
+    put("bad_deflate.txt.gz", packed[:10] + bytes([packed[10] ^ 0xFF]) + packed[11:])
+    put("not_gzip.txt.gz", "plain text\n")
+    put("long.txt", ("x" * LONG_LINE_BYTES + "\n") * 3)
+    put("blank_lines.txt", "\n\n\n")
+    put("spaces.txt", "  \n \n")
     put("latin.txt", b"good line\ncaf\xe9\n")
     paths["bad_json"] = put("bad.jsonl", '{"text": "fine"}\n{"text": oops}\n')
     paths["no_field"] = put("nofield.jsonl", '{"body": "x"}\n')
@@ -93,6 +131,21 @@ def files(tmp_path_factory, lossless_model, other_model, corpus):
     data[200] ^= 0xFF
     victim.write_bytes(bytes(data))
     paths["damaged"] = damaged.path
+    whole = encode_files(lossless_model, [corpus], tmp / "whole", split_docs=True, shard_bytes=50_000, progress=False)
+    manifest = json.loads((whole.path / MANIFEST).read_text())
+    assert len(manifest["shards"]) == 5  # the edits below take one out of five
+
+    def edited(name, shards, **fields):
+        directory = tmp / name
+        shutil.copytree(whole.path, directory)
+        kept = {"n_tokens": sum(s["n_tokens"] for s in shards), "n_docs": sum(s["n_docs"] for s in shards)}
+        (directory / MANIFEST).write_text(json.dumps({**manifest, **kept, **fields, "shards": shards}))
+        paths[name] = directory
+
+    edited("without_last", manifest["shards"][:-1])  # the counts made consistent with the shards listed
+    edited("without_first", manifest["shards"][1:])
+    edited("total_edited", manifest["shards"], n_tokens=1000)
+    edited("total_typed", manifest["shards"], n_docs="many")
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -80,3 +80,27 @@ def test_train_tokenizer_progress_bar(tmp_path, corpus, capsys):
 
     model = train_tokenizer([corpus], tmp_path / "p", 300, progress=True)
     assert model.is_file() and "train-tokenizer p:" in capsys.readouterr().err
+
+
+def test_workers_beyond_the_cpus_are_capped_and_said_so(tmp_path, lossless_model, corpus, capsys, monkeypatch):
+    import tokbin.encode as encode
+
+    real, pools = encode._encoded, []
+
+    def counted(pieces, sp, opts, dtype, workers):
+        pools.append(workers)
+        if workers > encode.default_workers():  # 10000 processes took longer to start than the test may run
+            raise AssertionError(f"a pool of {workers} processes would start")
+        return real(pieces, sp, opts, dtype, workers)
+
+    monkeypatch.setattr(encode, "_encoded", counted)
+    out = tmp_path / "o.bin"
+    argv = ["encode", "--tokenizer", str(lossless_model), "--input", str(corpus), "--output", str(out), "--quiet"]
+    assert main([*argv, "--workers", "10000"]) == 0
+    err = capsys.readouterr().err.strip()
+    cpus = encode.default_workers()
+    assert err == f"tokbin encode: --workers 10000 capped at {cpus} (the CPUs this process may run on)"
+    assert pools == [encode.default_workers()]
+    assert main([*argv[:-2], str(tmp_path / "one.bin"), "--quiet", "--workers", "1"]) == 0
+    assert TokenFile(out).data_sha256 == TokenFile(tmp_path / "one.bin").data_sha256
+    assert capsys.readouterr().err == ""  # no note when nothing is capped

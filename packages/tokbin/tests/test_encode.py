@@ -199,6 +199,33 @@ def test_gzip_input_equals_plain(tmp_path, lossless_model, corpus, wiki_text):
     assert packed.data_sha256 == plain.data_sha256
 
 
+DAMAGED_GZIP = [
+    # (id, damage to a gzip file, what zlib or gzip says): one TokenFileError naming the file, for the encode and for
+    # the tokenizer sample `lmtrain prepare` writes first
+    ("truncated", lambda b: b[: len(b) // 2], "Compressed file ended before the end-of-stream marker"),
+    ("bad CRC", lambda b: b[:-8] + bytes(x ^ 0xFF for x in b[-8:-4]) + b[-4:], "CRC check failed"),
+    ("bad deflate block", lambda b: b[:10] + bytes([b[10] ^ 0xFF]) + b[11:], "Error -3 while decompressing"),
+    ("not gzip", lambda b: b"plain text\n", "Not a gzipped file"),
+]
+
+
+@pytest.mark.parametrize(("damage", "reason"), [c[1:] for c in DAMAGED_GZIP], ids=[c[0] for c in DAMAGED_GZIP])
+def test_damaged_gzip_is_one_error_naming_the_file(tmp_path, lossless_model, wiki_text, damage, reason):
+    from tokbin.sample import write_sample
+
+    gz = tmp_path / "wiki.txt.gz"
+    gz.write_bytes(damage(gzip.compress(wiki_text.read_bytes(), mtime=0)))
+    for run in (
+        lambda: encode_files(lossless_model, [gz], tmp_path / "g.bin", piece_bytes=5000, progress=False),
+        lambda: encode_files(lossless_model, [gz], tmp_path / "g", shard_bytes=20_000, progress=False),
+        lambda: write_sample([gz], tmp_path / "sample.txt", 10_000, split_docs=True),
+    ):
+        with pytest.raises(TokenFileError, match="damaged gzip data after") as e:
+            run()
+        assert str(gz) in str(e.value) and reason in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "g.bin").exists()
+
+
 def test_zstd_input_through_pyarrow(tmp_path, lossless_model, wiki_text):
     pa = pytest.importorskip("pyarrow", reason="zstd input is read through pyarrow (the parquet extra)")
     zst = tmp_path / "wiki.txt.zst"

@@ -218,3 +218,10 @@ def test_base_class_is_prefetch_generators_background_generator():
     bg = ClosableBackgroundGenerator(iter(range(3)), max_prefetch=3)
     assert isinstance(bg, BackgroundGenerator) and type(bg).run is BackgroundGenerator.run
     assert list(bg) == [0, 1, 2]
+
+
+def test_a_sampler_over_more_tokens_than_the_data_is_refused(token_file):
+    with pytest.raises(ValueError, match="the sampler draws windows from 200001 tokens, the data has 200000"):
+        Loader(token_file, RandomWindows(token_file.n_tokens + 1, 64, 4, seed=0))
+    with Loader(token_file, RandomWindows(token_file.n_tokens, 64, 4, seed=0)) as loader:
+        assert next(loader)[0].shape == (4, 64)

@@ -230,3 +230,32 @@ def test_random_windows_resplit_keeps_the_step_and_takes_the_new_share():
     assert b.step == 70 and b.batch(70)[0].shape == (4,)
     with pytest.raises(ValueError, match="seed is 1, this sampler has 2"):
         RandomWindows(1000, 8, 4, seed=2).load_state_dict(a.state_dict())
+
+
+TOO_SHORT = [
+    # (id, a sampler over data shorter than its windows): one line naming the token count and seq_len, and what fits
+    ("random, 88 tokens", lambda: RandomWindows(88, 128, 4, seed=0),
+     r"the data has 88 tokens, fewer than one window at seq_len 128 \(129 tokens with the last target\): use more "
+     "text, or a seq_len of at most 87$"),
+    ("random, exactly seq_len", lambda: RandomWindows(128, 128, 4, seed=0), "the data has 128 tokens, fewer than"),
+    ("random, one token", lambda: RandomWindows(1, 128, 4, seed=0), "the data has 1 tokens, .*: use more text$"),
+    ("epoch, 88 tokens", lambda: EpochWindows(88, 128, 4, seed=0),
+     "the data has 88 tokens, 0 windows at seq_len 128, fewer than world_size 1: use more text, or a seq_len of "
+     "at most 87"),
+    ("epoch, 2 ranks", lambda: EpochWindows(200, 128, 4, seed=0, world_size=2),
+     "the data has 200 tokens, 1 windows at seq_len 128, fewer than world_size 2: .* a seq_len of at most 99"),
+    ("dynamic", lambda: DynamicLength(88, 256, 128, seed=0).batch(0),
+     r"the data has 88 tokens, fewer than one window at seq_len 128 \(129 tokens\) at step 0: .* at most 87"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "message"), [c[1:] for c in TOO_SHORT], ids=[c[0] for c in TOO_SHORT])
+def test_data_shorter_than_a_window_is_one_line(make, message):
+    with pytest.raises(ValueError, match=message) as e:
+        make()
+    assert "\n" not in str(e.value)
+
+
+def test_a_window_that_just_fits_is_accepted():
+    assert RandomWindows(129, 128, 4, seed=0).batch(0)[0].tolist() == [0, 0, 0, 0]
+    assert EpochWindows(129, 128, 4, seed=0).n_windows == 1

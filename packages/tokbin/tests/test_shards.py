@@ -199,3 +199,28 @@ def test_loader_reads_shards_as_it_reads_the_single_file(single, sharded):
             batches.append([next(loader) for _ in range(5)])
     for (x, y), (xs, ys) in zip(*batches, strict=True):
         assert np.array_equal(x.numpy(), xs.numpy()) and np.array_equal(y.numpy(), ys.numpy())
+
+
+def test_a_held_out_tail_after_the_last_shard_still_ends_the_input(tmp_path, lossless_model):
+    # The documents after the last shard all belong to the other part of a hash split: the manifest must still say
+    # the last shard ends the input, or readers take the directory for one with shards left out.
+    part = HashSplit(0.5, "train")
+
+    def kept(text):
+        src = tmp_path / "one.jsonl"
+        src.write_text(json.dumps({"text": text}) + "\n")
+        try:
+            encode_files(lossless_model, [src], tmp_path / "one.bin", jsonl_field="text", hash_split=part,
+                         progress=False)  # fmt: skip
+        except TokenFileError:
+            return False
+        return True
+
+    head = next(f"kept document {i}" for i in range(100) if kept(f"kept document {i}"))
+    tail = next(f"held out {i}" for i in range(100) if not kept(f"held out {i}"))
+    src = tmp_path / "two.jsonl"
+    src.write_text(json.dumps({"text": head}) + "\n" + json.dumps({"text": tail}) + "\n")
+    ds = encode_inputs(lossless_model, [src], tmp_path / "shards", jsonl_field="text", hash_split=part,
+                       shard_bytes=1, progress=False).tokens  # fmt: skip
+    assert len(ds.shards) == 1 and ds.n_docs == 1
+    assert ShardedTokens(ds.path).manifest["shards"][-1]["end"] == [1, 0, 1]

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,11 @@ def prepare(
 
 def run_prepare(args: argparse.Namespace) -> int:
     """The `lmtrain prepare` command."""
+    from tokbin.encode import default_workers
+
+    if args.workers is not None and args.workers > default_workers():  # tokbin encodes on at most that many
+        print(f"lmtrain prepare: --workers {args.workers} capped at {default_workers()} (the CPUs this process may "
+              "run on)", file=sys.stderr)  # fmt: skip
     meta = prepare(
         args.text,
         args.out,

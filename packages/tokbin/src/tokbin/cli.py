@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-from tokbin.encode import ERRORS, encode_inputs
+from tokbin.encode import ERRORS, default_workers, encode_inputs
 from tokbin.errors import TokenFileError
 from tokbin.shards import open_tokens
 from tokbin.sources import PIECE_BYTES
@@ -26,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--byte-fallback", action="store_true")
     t.add_argument("--user-defined-symbols", nargs="*", default=None, metavar="SYMBOL")
     t.add_argument("--input-sentence-size", type=int, default=0, help="sample this many lines (0: all)")
+    t.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="train on lines up to this long (SentencePiece's default: 4192; longer lines are left out)",
+    )
     t.add_argument("--threads", type=int, default=None)
 
     e = sub.add_parser("encode", help="encode text, JSONL or Parquet inputs into a token file or shard directory")
@@ -34,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         "--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursive) or globs; .gz, .zst"
     )
     e.add_argument("--output", required=True, metavar="OUT", help="token file, or a directory with --shard-mb")
-    e.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default: all CPUs)")
+    e.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="encoding processes (default and most: all CPUs)"
+    )
     e.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
     e.add_argument("--split-docs", action="store_true", help="each blank-line-separated block is a document")
     e.add_argument("--clean", action="store_true", help="strip HTML tags, citation marks, whitespace runs")
@@ -73,6 +83,10 @@ def _run(args: argparse.Namespace) -> None:
             options.update(input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True)
         if args.threads:
             options["num_threads"] = args.threads
+        if args.max_sentence_length is not None:
+            if args.max_sentence_length < 1:
+                raise ValueError(f"--max-sentence-length must be >= 1, got {args.max_sentence_length}")
+            options["max_sentence_length"] = args.max_sentence_length
         if args.quiet:
             options["minloglevel"] = 2
         model = train_tokenizer(
@@ -89,8 +103,14 @@ def _run(args: argparse.Namespace) -> None:
     elif args.command == "encode":
         if args.piece_kb < 1:
             raise ValueError(f"--piece-kb must be >= 1, got {args.piece_kb}")
-        if args.shard_mb is not None and args.shard_mb <= 0:
-            raise ValueError(f"--shard-mb must be > 0, got {args.shard_mb}")
+        if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
+            raise ValueError(f"--shard-mb must be a finite number > 0, got {args.shard_mb}")
+        if args.workers is not None and args.workers > default_workers():
+            print(
+                f"tokbin encode: --workers {args.workers} capped at {default_workers()} "
+                "(the CPUs this process may run on)",
+                file=sys.stderr,
+            )
         result = encode_inputs(
             args.tokenizer,
             args.input,

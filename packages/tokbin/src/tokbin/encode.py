@@ -227,9 +227,11 @@ def encode_inputs(
         raise ValueError(f"split_docs applies to plain text; in {fmt} input every line or row is a document")
     if not inputs:
         raise ValueError("inputs: expected at least one input file, got none")
-    workers = default_workers() if workers is None else workers
-    if workers < 1:
+    if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    # more processes than CPUs cannot encode faster (the output is the same for any count), and thousands of them
+    # took longer to start than any input takes to encode
+    workers = default_workers() if workers is None else min(workers, default_workers())
     read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes)
     sp = load_processor(tokenizer)
     eos_id = sp.eos_id() if eos else None
@@ -401,6 +403,8 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
                 close_shard(w, Position(n_inputs, 0, 1))
             else:
                 w.discard()
+                if manifest["shards"]:  # what followed the last shard was all held out: it ends the input too
+                    manifest["shards"][-1]["end"] = [n_inputs, 0, 1]
     if not manifest["shards"]:
         raise TokenFileError(out, "no tokens to write: expected at least one id, found empty input")
 
@@ -419,10 +423,11 @@ def encode_files(
     Parquet (``parquet_column="text"``: a document per row; needs pyarrow); ``.gz`` inputs are decompressed, and
     ``.zst`` ones through pyarrow. An EOS id follows every document unless ``eos=False``.
 
-    ``workers`` processes (default: all CPUs) encode pieces in parallel; the output is byte-identical for any worker
-    count and piece size. ``shard_bytes`` writes a directory of shards, each ending at the first document end after
-    that many input bytes, with a manifest; run again after an interruption, it keeps the finished shards (checked
-    by checksum) and encodes the rest. ``clean`` strips HTML tags, citation marks and whitespace runs first.
+    ``workers`` processes (default: all CPUs, and never more) encode pieces in parallel; the output is
+    byte-identical for any worker count and piece size. ``shard_bytes`` writes a directory of shards, each ending
+    at the first document end after that many input bytes, with a manifest; run again after an interruption, it
+    keeps the finished shards (checked by checksum) and encodes the rest. ``clean`` strips HTML tags, citation
+    marks and whitespace runs first.
     ``errors`` handles undecodable bytes: "strict" (raise, naming the file, byte and line), "replace", "ignore".
     A bad JSONL line or Parquet value raises, naming the file and line, unless ``skip_bad_lines``.
     ``hash_split`` keeps only one part of a held-out split by document hash (see ``HashSplit``).

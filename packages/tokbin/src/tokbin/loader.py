@@ -159,6 +159,12 @@ class Loader:
         if max_prefetch < 1:
             raise ValueError(f"max_prefetch must be >= 1, got {max_prefetch}")
         self.token_file = TokenFile(token_file) if isinstance(token_file, (str, os.PathLike)) else token_file
+        drawn = getattr(sampler, "n_tokens", None)
+        if isinstance(drawn, int) and drawn > self.token_file.n_tokens:
+            raise ValueError(
+                f"the sampler draws windows from {drawn} tokens, the data has {self.token_file.n_tokens}: "
+                "expected a sampler built with this data's n_tokens"
+            )
         self.sampler = sampler
         self.device = torch.device(device)
         self.max_prefetch = max_prefetch

@@ -30,6 +30,12 @@ def _check_step(step: int) -> None:
         raise ValueError(f"step must be >= 0, got {step}")
 
 
+def _too_short(n_tokens: int, found: str, longest: int) -> ValueError:
+    """The one-line error for data too short for its windows: the token count, seq_len, and what would fit."""
+    fix = f"use more text, or a seq_len of at most {longest}" if longest >= 1 else "use more text"
+    return ValueError(f"the data has {n_tokens} tokens, {found}: {fix}")
+
+
 class _Sampler:
     """Step counter, iteration and state handling shared by the samplers."""
 
@@ -99,7 +105,8 @@ class RandomWindows(_Sampler):
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
         if n_tokens < seq_len + 1:
-            raise ValueError(f"n_tokens ({n_tokens}) must be >= seq_len + 1 ({seq_len + 1})")
+            found = f"fewer than one window at seq_len {seq_len} ({seq_len + 1} tokens with the last target)"
+            raise _too_short(n_tokens, found, n_tokens - 1)
         self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step = 0
@@ -147,7 +154,8 @@ class EpochWindows(_Sampler):
             raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
         self.n_windows = (n_tokens - 1) // seq_len
         if self.n_windows < world_size:
-            raise ValueError(f"n_tokens {n_tokens} gives {self.n_windows} windows of {seq_len}, fewer than world_size")
+            found = f"{self.n_windows} windows at seq_len {seq_len}, fewer than world_size {world_size}"
+            raise _too_short(n_tokens, found, (n_tokens - 1) // world_size)
         self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.per_rank = math.ceil(self.n_windows / world_size)
@@ -411,7 +419,8 @@ class DynamicLength(_Sampler):
         if seq_len < 1 or self.tokens_per_batch % seq_len:
             raise ValueError(f"step {step}: seq_len {seq_len} does not divide tokens_per_batch {self.tokens_per_batch}")
         if seq_len + 1 > self.n_tokens:
-            raise ValueError(f"step {step}: seq_len {seq_len} needs {seq_len + 1} tokens, the file has {self.n_tokens}")
+            found = f"fewer than one window at seq_len {seq_len} ({seq_len + 1} tokens) at step {step}"
+            raise _too_short(self.n_tokens, found, self.n_tokens - 1)
         rows = self.tokens_per_batch // seq_len * self.world_size
         high = self.n_tokens - seq_len
         if anchor is None:

@@ -57,6 +57,28 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _check_listing(where: Path, manifest: dict[str, Any]) -> None:
+    """A complete manifest lists every shard of its encode: totals present, shards numbered 0, 1, ... in order, the
+    last one ending at the end of the last input (a manifest edited to list fewer shards is refused, not read as a
+    smaller dataset)."""
+    for key in ("n_tokens", "n_docs"):
+        value = manifest.get(key)
+        if type(value) is not int or value < 0:
+            raise TokenFileError(where, f"{key}: expected the total as an int >= 0, found {value!r}")
+    for i, entry in enumerate(manifest["shards"]):
+        if entry["file"] != shard_name(i):
+            expected = f"expected {shard_name(i)!r} (shards listed in order, none left out)"
+            raise TokenFileError(where, f"shards[{i}] is {entry['file']!r}: {expected}")
+    inputs = (manifest.get("encode") or {}).get("inputs")
+    end = manifest["shards"][-1].get("end")
+    if isinstance(inputs, list) and end != [len(inputs), 0, 1]:
+        raise TokenFileError(
+            where,
+            f"the last shard listed ends at {end}, not at the end of the {len(inputs)} inputs: expected every shard "
+            "the encode wrote listed; encode again to rebuild the directory",
+        )
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Replace the manifest atomically (the caller holds the directory's lock)."""
     with atomic_output(directory / MANIFEST, lock=False) as f:
@@ -86,6 +108,7 @@ class ShardedTokens:
             raise TokenFileError(where, f"incomplete encode ({done} shards so far): rerun the encode to finish it")
         if not manifest["shards"]:
             raise TokenFileError(where, "no shards: expected at least one")
+        _check_listing(where, manifest)
         self.manifest = manifest
         self.shards: list[TokenFile] = []
         for entry in manifest["shards"]:
@@ -97,6 +120,13 @@ class ShardedTokens:
                     raise TokenFileError(tf.path, f"{key}: the manifest says {want}, the shard has {getattr(tf, key)}")
             self.shards.append(tf)
         sizes = [tf.n_tokens for tf in self.shards]
+        for key, found in (("n_tokens", sum(sizes)), ("n_docs", sum(tf.n_docs for tf in self.shards))):
+            if found != manifest[key]:
+                raise TokenFileError(
+                    where,
+                    f"{key}: the manifest says {manifest[key]}, its {len(self.shards)} shards hold {found}: expected "
+                    "every shard the encode wrote listed; encode again to rebuild the directory",
+                )
         # shard i holds the global positions [_starts[i], _starts[i + 1])
         self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._doc_starts = np.concatenate([[0], np.cumsum([tf.n_docs for tf in self.shards], dtype=np.int64)])

@@ -12,6 +12,7 @@ import glob
 import gzip
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,23 +145,54 @@ def open_input(path: Path, offset: int = 0):
     through pyarrow's codec, installed with the parquet extra.
     """
     kind = compression(path)
+    if kind is None:
+        plain = open(path, "rb")  # noqa: SIM115 - the caller closes it
+        plain.seek(offset)
+        return plain
     if kind == "zstd":
-        stream = _pyarrow(path, "reading .zst input").input_stream(str(path), compression="zstd")
-    elif kind == "gzip":
-        stream = gzip.open(path, "rb")  # noqa: SIM115 - the caller closes it
+        pa = _pyarrow(path, "reading .zst input")
+        stream = Decompressed(pa.input_stream(str(path), compression="zstd"), path, kind, (pa.ArrowException,))
     else:
-        stream = open(path, "rb")  # noqa: SIM115 - the caller closes it
-    if offset:
-        if kind is None:
-            stream.seek(offset)
-        else:  # compressed streams cannot seek: decompress and drop what came before
-            left = offset
-            while left:
-                skipped = len(read_full(stream, min(left, 1 << 24)))
-                if not skipped:
-                    raise TokenFileError(path, f"input is shorter than the resume offset {offset}: it changed")
-                left -= skipped
+        gz = gzip.open(path, "rb")  # noqa: SIM115 - the caller closes it
+        stream = Decompressed(gz, path, kind, (EOFError, zlib.error, gzip.BadGzipFile))
+    left = offset  # compressed streams cannot seek: decompress and drop what came before
+    while left:
+        skipped = len(read_full(stream, min(left, 1 << 24)))
+        if not skipped:
+            raise TokenFileError(path, f"input is shorter than the resume offset {offset}: it changed")
+        left -= skipped
     return stream
+
+
+class Decompressed:
+    """A decompressing stream whose errors for damaged data (a truncated or corrupt file) are one TokenFileError
+    naming the file and how far it decompressed, instead of zlib's, gzip's or pyarrow's own exception."""
+
+    def __init__(self, stream, path: Path, kind: str, damaged: tuple[type[BaseException], ...]) -> None:
+        self._stream, self.path, self.kind, self._damaged = stream, path, kind, damaged
+        self.position = 0  # decompressed bytes read so far
+
+    def read(self, n: int) -> bytes:
+        try:
+            data = self._stream.read(n)
+        except self._damaged as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TokenFileError(
+                self.path,
+                f"damaged {self.kind} data after {self.position} decompressed bytes ({reason}): expected a whole "
+                f"{self.kind} file; compress it again from its source, or leave it out",
+            ) from None
+        self.position += len(data)
+        return data
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> Decompressed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_full(stream, n: int) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -54,19 +55,56 @@ def exclusive_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+def temp_pattern(path: Path) -> re.Pattern[str]:
+    """Names of the temp files ``atomic_output`` makes for ``path``: ``.<name>.<8 mkstemp characters>.tmp``."""
+    return re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+
+
+def remove_stale_temps(path: Path) -> int:
+    """Remove the temp files of writers of ``path`` that died (SIGKILL, power loss); return how many.
+
+    A writer holds ``flock`` on its temp file while it writes and the kernel drops it when the process ends, so a
+    temp file that can be locked has no live writer; one that cannot is left alone.
+    """
+    removed = 0
+    pattern = temp_pattern(path)
+    for entry in os.scandir(path.parent):
+        if not pattern.fullmatch(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone already, or a link: not a temp file this module made
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live writer's
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+        finally:
+            os.close(fd)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, *, lock: bool = True) -> Iterator[BinaryIO]:
     """Yield a temp file next to ``path``; on success fsync it, rename it over ``path`` and fsync the directory.
 
-    On any exception (or a kill) nothing appears under ``path``; the temp file is removed when Python can still run.
-    The file gets the mode the umask gives. ``lock=False`` is for callers that hold a lock of their own.
+    On any exception nothing appears under ``path`` and the temp file is removed; after a kill the temp file stays
+    until the next locked write to ``path`` removes it (``remove_stale_temps``). The file gets the mode the umask
+    gives. ``lock=False`` is for callers that hold a lock of their own (and clear their directory's temp files).
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise TokenFileError(path, f"output directory {path.parent} does not exist")
     with exclusive_lock(path) if lock else contextlib.nullcontext():
+        if lock:
+            remove_stale_temps(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # marks the temp file live: see remove_stale_temps
             os.fchmod(fd, created_mode())  # mkstemp creates 0600
             with os.fdopen(fd, "w+b") as f:
                 yield f
