@@ -19,7 +19,8 @@ def data(tmp_path_factory):
 
 
 def _info(data, saved=None):
-    return DataInfo(read_meta(data), train_tokens=30_000, saved_run=saved)
+    meta = read_meta(data)
+    return DataInfo(meta, train_tokens=meta["train"]["tokens"], saved_run=saved)
 
 
 def test_planning_writes_nothing_and_is_repeatable(data, tmp_path):
@@ -176,3 +177,30 @@ def test_compile_and_the_matmul_probe_reach_lmcore(data, tmp_path, monkeypatch):
     train(data, tmp_path / "run", recipe="tiny", max_steps=1, compile=True, quiet=True,
           overrides={"cpu_threads": 1, "cpu_matmul_probe": False})  # fmt: skip
     assert compiled == ["GPT"] and probed == [False]
+
+
+def test_token_counts_must_match_and_hold_a_window(data, tmp_path):
+    request = TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny")
+    meta = read_meta(data)
+    with pytest.raises(LmtrainError, match="meta.json says the training split has"):
+        plan_run(request, DataInfo(meta, train_tokens=meta["train"]["tokens"] - 1), World(threads_fixed=True))
+    short = {**meta, "val": {**meta["val"], "tokens": 20}}
+    with pytest.raises(
+        LmtrainError, match=r"the validation split has 20 tokens, fewer than one window of seq_len \+ 1 = 33"
+    ):
+        plan_run(request, DataInfo(short, train_tokens=meta["train"]["tokens"]), World(threads_fixed=True))
+
+
+def test_every_window_that_fits_is_evaluated():
+    import numpy as np
+
+    from lmtrain.train_run import val_batches
+
+    class Tokens:  # exactly two windows of 8 + 1 tokens, and one token to spare
+        n_tokens = 2 * 8 + 1
+
+        def gather(self, starts, seq_len):
+            return np.asarray(starts), None
+
+    got = [s.tolist() for s, _ in val_batches(Tokens(), 8, 4)()]
+    assert got == [[0, 8]], got

@@ -224,10 +224,11 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
         >>> work = tempfile.TemporaryDirectory()
         >>> meta = read_meta(tiny_data(work.name))
         >>> request = TrainRequest(data=f"{work.name}/data", out=f"{work.name}/run", recipe="tiny", time_budget_s=60)
-        >>> draft = plan_run(request, DataInfo(meta, train_tokens=30_000), World(cpu_count=2))
+        >>> info = DataInfo(meta, train_tokens=meta["train"]["tokens"])
+        >>> draft = plan_run(request, info, World(cpu_count=2))
         >>> draft.time_threads  # the budget needs the speed: time one thread and both cores
         (1, 2)
-        >>> plan = plan_run(request, DataInfo(meta, 30_000), World(cpu_count=2, step_s={1: 0.05, 2: 0.08}))
+        >>> plan = plan_run(request, info, World(cpu_count=2, step_s={1: 0.05, 2: 0.08}))
         >>> plan.budgeted, plan.cpu_threads, plan.train.schedule, plan.train.time_budget_s
         (True, 1, 'wsd', 60.0)
         >>> print(plan.lines()[0])
@@ -281,6 +282,7 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
         )
     if data_cfg.seq_len is None:
         data_cfg = dataclasses.replace(data_cfg, seq_len=model_cfg.context_length)
+    _check_token_counts(request, meta, data, data_cfg.seq_len)
     if request.blend_spec is not None and data_cfg.sampler != "random":
         raise LmtrainError(f"--data {request.blend_spec}: a blend draws its windows at random by weight; drop "
                            f"--set sampler={data_cfg.sampler}")  # fmt: skip
@@ -428,6 +430,27 @@ def model_config_file(path: str | Path, vocab_size: int | None = None) -> Any:
             )
         config.vocab_size = vocab_size
     return config
+
+
+def _check_token_counts(request: TrainRequest, meta: Mapping[str, Any], data: DataInfo, seq_len: int) -> None:
+    """The data directory's own counts must match the data, and each split must hold at least one window."""
+    where = request.blend_spec or request.data_dir
+    recorded = meta["train"].get("tokens") if isinstance(meta["train"], dict) else None
+    if request.blend_spec is None and isinstance(recorded, int) and recorded != data.train_tokens:
+        raise LmtrainError(
+            f"--data {where}: meta.json says the training split has {recorded:,} tokens, its token data holds "
+            f"{data.train_tokens:,}: the two were not written together; re-run `lmtrain prepare`"
+        )
+    splits = [("training", data.train_tokens)]
+    val_tokens = meta["val"].get("tokens") if isinstance(meta["val"], dict) else None
+    if isinstance(val_tokens, int):
+        splits.append(("validation", val_tokens))
+    for split, tokens in splits:
+        if tokens < seq_len + 1:
+            raise LmtrainError(
+                f"--data {where}: the {split} split has {tokens:,} tokens, fewer than one window of seq_len + 1 = "
+                f"{seq_len + 1}: prepare more text, or train shorter windows (--set seq_len={max(2, tokens - 1)})"
+            )
 
 
 def _document_separator(meta: Mapping[str, Any]) -> int:

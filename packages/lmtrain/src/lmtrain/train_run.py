@@ -189,7 +189,11 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
             print(f"lmtrain: {line}", flush=True)
         if matmuls is not None and plan.data.cpu_matmul_probe:
             print(f"lmtrain: fp32 GEMMs on {'oneDNN' if matmuls.routed else 'MKL'}: {matmuls.reason}", flush=True)
-    loader = tokbin.Loader(train_data, _sampler(plan, train_data), max_prefetch=plan.data.prefetch)
+    try:
+        sampler = _sampler(plan, train_data)
+    except ValueError as exc:  # tokbin's one line, e.g. a blend source shorter than a window
+        raise LmtrainError(f"--data {request.data}: {exc}") from None
+    loader = tokbin.Loader(train_data, sampler, max_prefetch=plan.data.prefetch)
     val_file = tokbin.open_tokens(meta["val_path"])
     eval_data = val_batches(val_file, plan.seq_len, plan.train.micro_batch, rank=rank,
                             world_size=world.world_size, max_windows=plan.eval_windows)  # fmt: skip
@@ -459,7 +463,8 @@ def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0
     import numpy as np
 
     def batches():
-        starts = np.arange(0, token_file.n_tokens - seq_len - 1, seq_len, dtype=np.int64)[:max_windows]
+        # A window needs seq_len + 1 tokens (inputs and the targets one further): starts up to n - seq_len - 1.
+        starts = np.arange(0, token_file.n_tokens - seq_len, seq_len, dtype=np.int64)[:max_windows]
         mine = starts[rank::world_size]
         for i in range(0, len(mine), batch_size):
             yield token_file.gather(mine[i : i + batch_size], seq_len)
