@@ -204,3 +204,14 @@ def test_every_window_that_fits_is_evaluated():
 
     got = [s.tolist() for s, _ in val_batches(Tokens(), 8, 4)()]
     assert got == [[0, 8]], got
+
+
+def test_the_world_reports_what_the_planner_rules_need():
+    import torch
+
+    import lmcore
+    from lmtrain.train_run import _world
+
+    world = _world()
+    assert world.native_bf16 == (not torch.cuda.is_available() and lmcore.cpu_has_native_bf16())
+    assert world.threads_now == torch.get_num_threads() and world.cpu_count >= 1

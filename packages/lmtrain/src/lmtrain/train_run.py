@@ -262,12 +262,15 @@ def run_train(args: argparse.Namespace) -> int:
 def _world() -> World:
     import torch
 
+    import lmcore
+
     from trainloop.distributed import env_world
 
     rank, _, world_size = env_world()
-    return World(rank=rank, world_size=world_size, cuda=torch.cuda.is_available(),
-                 threads_fixed="OMP_NUM_THREADS" in os.environ, cpu_count=os.cpu_count() or 1,
-                 threads_now=torch.get_num_threads())  # fmt: skip
+    cuda = torch.cuda.is_available()
+    return World(rank=rank, world_size=world_size, cuda=cuda, threads_fixed="OMP_NUM_THREADS" in os.environ,
+                 cpu_count=os.cpu_count() or 1, threads_now=torch.get_num_threads(),
+                 native_bf16=not cuda and lmcore.cpu_has_native_bf16())  # fmt: skip
 
 
 def _sampler(plan: RunPlan, train_data: Any) -> Any:
