@@ -354,3 +354,34 @@ def test_train_resume_verify(verify, made, tmp_path, monkeypatch, capsys):
         assert len(err.splitlines()) == 1 and "none usable" in err and "nothing was changed" in err, err
         after = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
         assert {k: v for k, v in after.items() if k != ".lmtrain.lock"} == before  # the lock: the command's own
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(made, tmp_path, monkeypatch, capsys):
+    """A first Ctrl-C asks the loop to save and stop after the step; a second, before the step ends, stops at once:
+    one line, status 130, no traceback, and every checkpoint left in the run is complete."""
+    import signal
+
+    from lmcore import GPT
+    from trainloop.checkpoint import CheckpointStore, verify_checkpoint
+
+    forward, calls = GPT.forward, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # in the middle of step 5 (one forward per step: no accumulation, no evaluation yet)
+            signal.raise_signal(signal.SIGINT)  # the handler runs before this returns: stop after this step
+            signal.raise_signal(signal.SIGINT)  # and again: at once
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", interrupted)
+    argv = [*T, "--out", "{tmp}/r", "--max-steps", "50", "--set", "save_every=2", "--set", "eval_every=100"]
+    try:
+        code = main([a.format(tmp=tmp_path, data=made / "data") for a in argv])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped lmtrain's main")
+    err = capsys.readouterr().err.strip()
+    assert code == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == ("lmtrain train: interrupted (Ctrl-C): stopped at once; the newest complete "
+                                    "checkpoint is kept (--resume continues from it)"), err  # fmt: skip
+    store = CheckpointStore(tmp_path / "r")
+    assert store.steps() == [2, 4] and all(verify_checkpoint(store.step_dir(s)) is None for s in store.steps())
