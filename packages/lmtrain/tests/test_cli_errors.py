@@ -266,6 +266,9 @@ ROWS = [
     ("eval --checkpoint 999", ["eval", *R, "--text", "{corpus}", "--checkpoint", "999"], _run_copy, ["999"]),
     ("eval --verify full, a flipped byte", ["eval", *R, "--text", "{corpus}", "--verify", "full"],
      _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("eval NaN weights", ["eval", *R, "--text", "{corpus}"], _nan_weights,
+     ["step_00000002", "NaN or inf", "loss nan", "an earlier checkpoint with --checkpoint"]),
+    ("eval --json NaN weights", ["eval", *R, "--text", "{corpus}", "--json"], _nan_weights, ["NaN or inf"]),
     # generate
     ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
      ["--temperature", "nan"]),
