@@ -388,3 +388,25 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(made, tmp_path, monkeypatch, 
                                     "checkpoint is kept (--resume continues from it)"), err  # fmt: skip
     store = CheckpointStore(tmp_path / "r")
     assert store.steps() == [2, 4] and all(verify_checkpoint(store.step_dir(s)) is None for s in store.steps())
+
+
+def _meta_outside(tmp, made, mp, stack):
+    _data_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "data" / "meta.json", lambda d: d.update(tokenizer="../../tokenizer.model"))
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [(_meta_garbage, ["meta.json", "unreadable"]), (_meta_wrong_types, ["meta.json", "vocab_size", "many"]),
+     (_meta_outside, ["meta.json", "leaves the data directory"])],
+    ids=["not JSON", "wrong types", "a path outside"],
+)  # fmt: skip
+def test_doctor_fails_on_a_bad_meta_json(setup, words, made, tmp_path, monkeypatch, capsys):
+    """`doctor --data` reads meta.json as `train` does: what `train` refuses is a FAIL (and a non-zero status)."""
+    setup(tmp_path, made, monkeypatch, [])
+    code = main(["doctor", "--data", str(tmp_path / "data")])
+    out = capsys.readouterr().out
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL data ")]
+    assert code == 1 and len(fails) == 1, out
+    assert all(w in fails[0] for w in words) and "lmtrain prepare" in fails[0], fails[0]
