@@ -209,6 +209,17 @@ def _no_deepspeed(tmp, made, mp, stack):
     return {}
 
 
+def _binary_configs(tmp, made, mp, stack):
+    for name in ("config.json", "ds.json"):
+        (tmp / name).write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    return {}
+
+
+def _ds_top_level_typo(tmp, made, mp, stack):
+    (tmp / "ds.json").write_text('{"trian_batch_size": 8, "zero_optimization": {"stage": 2}}')
+    return {}
+
+
 def _hostfile_binary(tmp, made, mp, stack):
     (tmp / "hosts").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
     return {}
@@ -254,6 +265,12 @@ ROWS = [
      ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
     ("train --deepspeed without the extra", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _no_deepspeed,
      ["needs deepspeed", "[deepspeed]"]),
+    ("train --model-config binary", ["train", "--data", "{data}", "--out", "{tmp}/r", "--model-config",
+     "{tmp}/config.json"], _binary_configs, ["--model-config {tmp}/config.json", "can't decode byte 0x89"]),
+    ("train --deepspeed binary", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _binary_configs,
+     ["DeepSpeed config {tmp}/ds.json", "not UTF-8 text", "a binary file?"]),
+    ("train --deepspeed top-level typo", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _ds_top_level_typo,
+     ["unknown top-level key 'trian_batch_size'", "did you mean 'train_batch_size'"]),
     ("train disk full at run.json", [*T, "--out", "{tmp}/r"], _full_at_run_json,
      ["{tmp}/r/run.json", "No space left on device"]),
     # eval
