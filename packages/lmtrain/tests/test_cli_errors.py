@@ -292,6 +292,8 @@ ROWS = [
     ("generate --top-k 0", ["generate", *R, "--prompt", "x", "--top-k", "0"], _run_copy, ["--top-k", "0"]),
     ("generate NaN weights", ["generate", *R, "--prompt", "x", "--checkpoint", "latest"], _nan_weights,
      ["NaN or inf", "step_00000002"]),
+    ("generate --prompt not UTF-8", ["generate", *R, "--prompt", b"ab\xff".decode("utf-8", "surrogateescape")],
+     _run_copy, ["--prompt", "not UTF-8 text", "byte 0xff at character 2"]),
     ("generate run.json not JSON", ["generate", *R, "--prompt", "x"], _run_json_garbage, ["run.json"]),
     ("generate --verify full, a flipped byte", ["generate", *R, "--prompt", "x", "--verify", "full"],
      _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
