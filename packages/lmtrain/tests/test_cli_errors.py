@@ -180,6 +180,87 @@ def _nan_weights(tmp, made, mp, stack):
     return {}
 
 
+def _rehash(ckpt: Path) -> None:
+    """Rewrite a checkpoint's manifest for its files as they now are: a damage the size check cannot see."""
+    files = {str(p.relative_to(ckpt)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+             for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}  # fmt: skip
+    _edit_json(ckpt / "manifest.json", lambda m: m.update(files=files))
+
+
+def _change_checkpoints(tmp, made, mp, change):
+    _run_copy(tmp, made, mp, [])
+    for ckpt in (tmp / "run" / "checkpoints").glob("step_*"):
+        change(ckpt)
+        _rehash(ckpt)
+
+
+def _pickle_weights(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, lambda c: torch.save({"w": torch.zeros(2)}, c / "model.safetensors"))
+    return {}
+
+
+def _rewrite_weights(change, metadata=None):
+    from safetensors.torch import load_file, save_file
+
+    def rewrite(ckpt):
+        state = load_file(ckpt / "model.safetensors")
+        save_file(change(state), ckpt / "model.safetensors", metadata=metadata or {"format": "pt"})
+
+    return rewrite
+
+
+def _int64_weights(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, _rewrite_weights(lambda s: {k: v.long() for k, v in s.items()}))
+    return {}
+
+
+def _wrong_shape_no_config(tmp, made, mp, stack):
+    # A checkpoint without its own config.json is built from run.json's model config.
+    def change(ckpt):
+        (ckpt / "config.json").unlink()
+        _rewrite_weights(lambda s: {**s, "norm.weight": torch.ones(3)})(ckpt)
+
+    _change_checkpoints(tmp, made, mp, change)
+    return {}
+
+
+def _lora_settings_lacking_fields(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, _rewrite_weights(lambda s: s, {"format": "pt", "lora_settings": '{"r": 4}'}))
+    return {}
+
+
+def _lora_file_lacking_fields(tmp, made, mp, stack):
+    from safetensors.torch import save_file
+
+    _run_copy(tmp, made, mp, stack)
+    save_file({"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 64)}, tmp / "lora.safetensors",
+              metadata={"lora_settings": '{"targets": ["q_proj"], "r": 4}'})  # fmt: skip
+    return {}
+
+
+def _config_of_2000_layers(tmp, made, mp, stack):
+    import types
+
+    import psutil
+
+    _change_checkpoints(tmp, made, mp, lambda c: _edit_json(c / "config.json", lambda d: d.update(n_layer=2000)))
+    # 2000 tiny layers would fit here (0.4 GB): the host is made to have less, so that nothing big is ever built.
+    mp.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=100 * 2**20))
+    return {}
+
+
+def _run_json_eos_id_text(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "run" / "run.json", lambda d: d.update(eos_id="2"))
+    return {}
+
+
+def _run_json_seq_len_text(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "run" / "run.json", lambda d: d["data_config"].update(seq_len="long"))
+    return {}
+
+
 def _no_triton_interpreter(tmp, made, mp, stack):
     mp.setenv("TRITON_INTERPRET", "0")  # the CPU cannot run the Triton kernels outside the interpreter
     return {}
@@ -286,6 +367,20 @@ ROWS = [
     ("eval NaN weights", ["eval", *R, "--text", "{corpus}"], _nan_weights,
      ["step_00000002", "NaN or inf", "loss nan", "an earlier checkpoint with --checkpoint"]),
     ("eval --json NaN weights", ["eval", *R, "--text", "{corpus}", "--json"], _nan_weights, ["NaN or inf"]),
+    ("eval pickle as model.safetensors", ["eval", *R, "--text", "{corpus}"], _pickle_weights,
+     ["step_00000002/model.safetensors", "not a readable safetensors file"]),
+    ("eval int64 weights", ["eval", *R, "--text", "{corpus}"], _int64_weights,
+     ["model.safetensors", "is int64, expected a floating-point tensor"]),
+    ("eval wrong-shaped weights, no config.json", ["eval", *R, "--text", "{corpus}"], _wrong_shape_no_config,
+     ["model.safetensors: norm.weight is float32 (3,)", "the run's model config has float32 (64,)"]),
+    ("eval lora_settings lacking fields", ["eval", *R, "--text", "{corpus}"], _lora_settings_lacking_fields,
+     ["model.safetensors", "lora_settings metadata lacks targets, alpha, dropout"]),
+    ("eval run.json eos_id a string", ["eval", *R, "--text", "{corpus}"], _run_json_eos_id_text,
+     ["run.json", "eos_id='2'", "an integer"]),
+    ("eval run.json seq_len a string", ["eval", *R, "--text", "{corpus}"], _run_json_seq_len_text,
+     ["run.json", "data_config.seq_len='long'"]),
+    ("eval a config of 2000 layers", ["eval", *R, "--text", "{corpus}"], _config_of_2000_layers,
+     ["step_00000002", "n_layer=2000", "GiB of host memory to load, 0.1 GiB is available"]),
     # generate
     ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
      ["--temperature", "nan"]),
@@ -297,6 +392,12 @@ ROWS = [
     ("generate run.json not JSON", ["generate", *R, "--prompt", "x"], _run_json_garbage, ["run.json"]),
     ("generate --verify full, a flipped byte", ["generate", *R, "--prompt", "x", "--verify", "full"],
      _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("generate pickle as model.safetensors", ["generate", *R, "--prompt", "x"], _pickle_weights,
+     ["not a readable safetensors file"]),
+    ("generate int64 weights", ["generate", *R, "--prompt", "x"], _int64_weights, ["is int64"]),
+    ("generate run.json eos_id a string", ["generate", *R, "--prompt", "x"], _run_json_eos_id_text, ["eos_id='2'"]),
+    ("generate a config of 2000 layers", ["generate", *R, "--prompt", "x"], _config_of_2000_layers,
+     ["n_layer=2000", "GiB is available"]),
     # export
     ("export --format bogus", ["export", *R, "--out", "{tmp}/x", "--format", "bogus"], _run_copy,
      ["--format", "bogus"]),
@@ -305,6 +406,16 @@ ROWS = [
     ("export --out a file", ["export", *R, "--out", "{tmp}/file", "--format", "hf"], _file_and_run, ["/file"]),
     ("export --verify full, a flipped byte", ["export", *R, "--out", "{tmp}/x", "--format", "hf", "--verify",
      "full"], _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("export pickle as model.safetensors", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _pickle_weights,
+     ["not a readable safetensors file"]),
+    ("export int64 weights", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _int64_weights, ["is int64"]),
+    ("export run.json eos_id a string", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _run_json_eos_id_text,
+     ["eos_id='2'"]),
+    ("export a config of 2000 layers", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _config_of_2000_layers,
+     ["n_layer=2000", "GiB is available"]),
+    ("export --lora lacking fields", ["export", *R, "--out", "{tmp}/x", "--format", "hf", "--lora",
+     "{tmp}/lora.safetensors"], _lora_file_lacking_fields,
+     ["--lora {tmp}/lora.safetensors: lora_settings metadata lacks alpha, dropout"]),
     # doctor
     ("doctor --hostfile missing", ["doctor", "--hostfile", "{tmp}/none"], None, ["hostfile {tmp}/none", "No such"]),
     ("doctor --hostfile binary", ["doctor", "--hostfile", "{tmp}/hosts"], _hostfile_binary,
