@@ -162,6 +162,42 @@ def _full_at_run_json(tmp, made, mp, stack):
     return {}
 
 
+class _FillingFile:
+    """A file on a disk with 700 bytes left: a write that does not fit raises ENOSPC, as write() does."""
+
+    def __init__(self, f):
+        self._f, self._room = f, 700
+
+    def write(self, data):
+        if memoryview(data).nbytes > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= memoryview(data).nbytes
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _full_inside_torch_save(tmp, made, mp, stack):
+    import trainloop.checkpoint as checkpoint
+
+    real = checkpoint.open_new
+
+    # The state files' torch.save (a real one): torch's zip writer raises its own error over the write's ENOSPC.
+    def filling(path, mode="w"):
+        f = real(path, mode)
+        return _FillingFile(f) if str(path).endswith(".pt") else f
+
+    mp.setattr(checkpoint, "open_new", filling)
+    return {}
+
+
 def _full_at_token_file(tmp, made, mp, stack):
     import tokbin.writer
 
@@ -343,6 +379,8 @@ ROWS = [
     ("train damaged token file", ["train", "--data", "{tmp}/data", *TRAIN, "--out", "{tmp}/r"], _flipped_byte,
      ["train.bin", "checksum mismatch", "lmtrain prepare"]),
     ("train disk full at a checkpoint", [*T, "--out", "{tmp}/r"], _full_at_checkpoint,
+     ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
+    ("train disk full inside torch.save", [*T, "--out", "{tmp}/r"], _full_inside_torch_save,
      ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
     ("train --deepspeed without the extra", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _no_deepspeed,
      ["needs deepspeed", "[deepspeed]"]),
