@@ -188,6 +188,24 @@ def test_top_level_keys_deepspeed_reads_are_kept_though_the_loop_does_not_use_th
     assert {k: ds[k] for k in kept} == kept
 
 
+def test_known_keys_are_found_once_deepspeed_imports_again(monkeypatch):
+    """Without DeepSpeed nothing is checked; that answer is not kept once DeepSpeed imports again (the keys are)."""
+    import sys
+
+    from trainloop import ds_config
+
+    monkeypatch.setattr(ds_config, "_minimal", [])
+    with monkeypatch.context() as hidden:
+        for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+            hidden.delitem(sys.modules, name)
+        hidden.setitem(sys.modules, "deepspeed", None)
+        assert ds_config.deepspeed_top_level_keys() is None
+        adopt_ds_config({"trian_batch_size": 8}, TrainConfig(), 1, on_cpu=True)  # nothing to check it against
+    assert "train_batch_size" in ds_config.deepspeed_top_level_keys()
+    with pytest.raises(ConfigError, match="unknown top-level key 'trian_batch_size'"):
+        adopt_ds_config({"trian_batch_size": 8}, TrainConfig(), 1, on_cpu=True)
+
+
 def test_missing_file_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"DeepSpeed config .*nope\.json: cannot read it \(No such file"):
         adopt_ds_config(tmp_path / "nope.json", TrainConfig(), 1, on_cpu=True)

@@ -373,10 +373,17 @@ def _initialize_lookups() -> frozenset[str]:
     return frozenset(keys)
 
 
-@functools.cache
+# The lookups on a minimal config, once found; nothing is kept while DeepSpeed cannot be imported.
+_minimal: list[frozenset[str]] = []
+
+
 def _minimal_lookups() -> frozenset[str] | None:
-    found = _parser_lookups({MICRO: 1})
-    return None if found is None else frozenset(found)
+    if not _minimal:
+        found = _parser_lookups({MICRO: 1})
+        if found is None:
+            return None
+        _minimal.append(frozenset(found))
+    return _minimal[0]
 
 
 def deepspeed_top_level_keys(config: dict[str, Any] | None = None) -> frozenset[str] | None:
