@@ -8,6 +8,7 @@ injection attempt targets a marker file that must never appear.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,11 +25,27 @@ KIT = REPO / "tools" / "cluster-3090"
 LAUNCH = KIT / "launch.sh"
 
 STUB_TORCHRUN = """#!{python}
-import json, os, sys, tempfile
+import json, os, signal, sys, tempfile
+from pathlib import Path
 fd, _ = tempfile.mkstemp(prefix="torchrun.", suffix=".json", dir=os.environ["STUB_LOG"])
 with os.fdopen(fd, "w") as f:
     json.dump({{"argv": sys.argv[1:], "cwd": os.getcwd(), "MASTER_ADDR": os.environ.get("MASTER_ADDR"),
                "MASTER_PORT": os.environ.get("MASTER_PORT"), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR")}}, f)
+if os.environ.get("STUB_UNTIL_SIGNAL"):  # a run that stops on the first signal as lmtrain's ranks do, then exits 1
+    log, received = Path(os.environ["STUB_LOG"]), []
+    signal.signal(signal.SIGTERM, lambda s, _: received.append(signal.Signals(s).name))
+    signal.signal(signal.SIGINT, lambda s, _: received.append(signal.Signals(s).name))
+    (log / "ready").write_text(str(os.getpid()))
+    while not received:
+        signal.pause()
+    (log / "received").write_text(json.dumps(received))
+    if os.environ["STUB_UNTIL_SIGNAL"] == "saved":
+        out = Path(sys.argv[sys.argv.index("--out") + 1])
+        ckpt = out / "checkpoints" / "step_00000007"
+        ckpt.mkdir(parents=True)
+        (ckpt / "manifest.json").write_text("{{}}")
+        (out / "summary.json").write_text(json.dumps({{"stopped": received[0], "step": 7, "checkpoint": str(ckpt)}}))
+    sys.exit(1)  # torchrun's status when it was signalled itself
 """
 
 # ssh [-o OPTION]... [--] HOST COMMAND...: the remote side joins COMMAND with spaces and runs it with its shell.
@@ -100,7 +117,7 @@ def test_dry_run_prints_each_node_command(kit, tmp_path):
     assert result.returncode == 0, result.stderr
     command = (
         f"cd {REPO} && export LMTRAIN_HOSTFILE={hf} MASTER_ADDR=node1 MASTER_PORT=29500 && source {KIT}/env.sh && "
-        "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 --rdzv-id=xl "
+        "exec torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:29500 --rdzv-id=xl "
         "--rdzv-conf=join_timeout=900 --max-restarts=3 --monitor-interval=5 -m lmtrain train --data /mnt/nfs/data "
         f"--out /mnt/nfs/runs/xl --model-config {KIT}/config.json --deepspeed {KIT}/ds_config.json --resume"
     )
@@ -270,7 +287,7 @@ def test_cpu_rehearsal_adapts_the_kit_config(kit, tmp_path):
     result = launch("--data", "/d", "--out", str(out), "--hostfile", hf, "--cpu-rehearsal", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert not out.exists(), "a dry run writes nothing"
-    assert "export DS_ACCELERATOR=cpu && torchrun" in result.stdout
+    assert "export DS_ACCELERATOR=cpu && exec torchrun" in result.stdout
 
     result = launch("--data", "/d", "--out", str(out), "--hostfile", hf, "--cpu-rehearsal")
     assert result.returncode == 0, result.stderr
@@ -290,3 +307,54 @@ def test_cpu_rehearsal_adapts_the_kit_config(kit, tmp_path):
     assert {k: v for k, v in adapted.items() if k not in ("train_batch_size", "bf16")} == {
         k: v for k, v in kit_ds.items() if k not in ("train_batch_size", "fp16", "bf16")
     }
+
+
+@pytest.mark.parametrize(
+    ("how", "saved"),
+    [("SIGTERM to launch.sh", "saved"), ("Ctrl-C (SIGINT to its process group)", "saved"),
+     ("SIGTERM, nothing saved", "crashed")],
+)  # fmt: skip
+def test_a_signal_reaches_torchrun_once_and_a_preempted_run_says_it_is_not_finished(kit, tmp_path, how, saved):
+    """A scheduler's SIGTERM to launch.sh, or a Ctrl-C in its terminal, reaches torchrun exactly once; torchrun's exit
+    status (1: signalled, the run not finished) is launch.sh's, and launch.sh says in one line that every rank saved
+    and the same command resumes, only when the stop wrote a summary naming a complete checkpoint."""
+    import signal
+    import time
+
+    _, recorded, _ = kit
+    launch_env = child_env(STUB_LOG=str(tmp_path / "log"), STUB_UNTIL_SIGNAL=saved, HOME=str(tmp_path / "home"))
+    first = [str(tmp_path / "stubs"), str(Path(sys.executable).parent)]
+    launch_env["PATH"] = os.pathsep.join([*first, launch_env["PATH"]])
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        launch_env.pop(name, None)
+    out = tmp_path / "run"
+    cmd = ["bash", str(LAUNCH), "--data", "/d", "--out", str(out), "--hostfile", hostfile(tmp_path, "node1 slots=2\n")]
+    proc = subprocess.Popen(cmd, env=launch_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        ready, deadline = tmp_path / "log" / "ready", time.monotonic() + 120  # a bound on a hang, not a timing
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), proc.communicate(timeout=30)
+        if how.startswith("Ctrl-C"):
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends: every process of the foreground group
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if ready.exists() and not (tmp_path / "log" / "received").exists():  # the stub never heard: end it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(ready.read_text()), signal.SIGKILL)
+    sent = "SIGINT" if how.startswith("Ctrl-C") else "SIGTERM"
+    assert json.loads((tmp_path / "log" / "received").read_text()) == [sent]
+    assert proc.returncode == 1 and len(recorded("torchrun")) == 1, err
+    said = [ln for ln in err.splitlines() if ln.startswith("launch.sh: ")]
+    if saved == "saved":
+        assert said == [f"launch.sh: stopped by {sent} at step 7 with every rank's state saved in {out}/checkpoints/"
+                        "step_00000007; the run is not finished (exit status 1, torchrun's): the same command "
+                        "resumes it"], err  # fmt: skip
+    else:
+        assert said == [], err

@@ -18,6 +18,11 @@
 #
 # Every value that reaches the node command is checked first (host names, slots=, ports, counts) or
 # shell-quoted (paths, run id, extra arguments); a bad value stops here with one line and exit status 2.
+#
+# Exit status: torchrun's. 0 only for a finished run. A SIGTERM (a scheduler's preemption) or SIGHUP to this
+# script, or a Ctrl-C, goes on to torchrun, which passes it to every rank: each saves a checkpoint and stops, and
+# torchrun, signalled itself, exits 1; the run is not finished, and the same command resumes it. This node's
+# launch.sh then says so in one line, when RUN_DIR/summary.json (written by the stop) names a complete checkpoint.
 set -euo pipefail
 
 KIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -175,7 +180,8 @@ node_command() {
     printf 'cd %q && export LMTRAIN_HOSTFILE=%q MASTER_ADDR=%q MASTER_PORT=%q && source %q && ' \
         "${REPO}" "${HOSTFILE}" "${MASTER_ADDR}" "${MASTER_PORT}" "${KIT}/env.sh"
     if [ ${#SETUP[@]} -gt 0 ]; then printf '%s && ' "${SETUP[*]}"; fi
-    printf 'torchrun --nnodes=%s --nproc-per-node=%s --rdzv-backend=c10d --rdzv-endpoint=%q ' \
+    # exec: the shell becomes torchrun, so that a signal sent to it reaches torchrun.
+    printf 'exec torchrun --nnodes=%s --nproc-per-node=%s --rdzv-backend=c10d --rdzv-endpoint=%q ' \
         "${NNODES}" "${NPROC}" "${ENDPOINT}"
     printf -- '--rdzv-id=%q --rdzv-conf=join_timeout=%s --max-restarts=%s --monitor-interval=5 ' \
         "${RUN_ID}" "${JOIN_TIMEOUT}" "${MAX_RESTARTS}"
@@ -212,4 +218,40 @@ if [ "${ALL}" = "1" ]; then
     exit "${status}"
 fi
 
-exec bash -c "${COMMAND}"
+# After torchrun exits non-zero: one line when this launch's run stopped on a signal with a complete checkpoint
+# (RUN_DIR/summary.json, written by rank 0 when every rank has saved and stopped, newer than this launch).
+report_stop() {
+    [ "$1" -ne 0 ] || return 0
+    python3 - "${OUT}" "${STARTED}" "$1" <<'PY' >&2 || true
+import json, os, sys
+from pathlib import Path
+run, started, status = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+try:
+    summary = json.loads((run / "summary.json").read_text())
+    fresh = (run / "summary.json").stat().st_mtime >= started
+except (OSError, ValueError):
+    sys.exit(0)
+ckpt = summary.get("checkpoint") if isinstance(summary, dict) else None
+if fresh and summary.get("stopped") and ckpt and (Path(ckpt) / "manifest.json").is_file():
+    print(f"launch.sh: stopped by {summary['stopped']} at step {summary.get('step')} with every rank's state saved "
+          f"in {ckpt}; the run is not finished (exit status {status}, torchrun's): the same command resumes it")
+PY
+}
+
+# torchrun runs as a job of its own (set -m: its own process group, so a Ctrl-C in this terminal reaches it once,
+# through the trap, not twice), and this script waits for it, passing on the signals a scheduler or a user sends.
+STARTED="$(date +%s)"
+set -m
+bash -c "${COMMAND}" &
+AGENT=$!
+set +m
+trap 'kill -TERM "${AGENT}" 2>/dev/null || true' TERM HUP
+trap 'kill -INT "${AGENT}" 2>/dev/null || true' INT
+while :; do
+    status=0
+    wait "${AGENT}" || status=$?
+    kill -0 "${AGENT}" 2>/dev/null || break  # still running: a trapped signal ended the wait, not torchrun
+done
+trap - TERM HUP INT
+report_stop "${status}"
+exit "${status}"

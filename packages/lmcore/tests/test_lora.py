@@ -81,3 +81,21 @@ def test_double_apply_and_merge_without_adapters_are_errors():
         apply_lora(model)
     with pytest.raises(ValueError, match="no LoRA"):
         merge_lora(tiny())
+
+
+@pytest.mark.parametrize(
+    ("settings", "pattern"),
+    [('{"r": 4}', r"lora_settings metadata lacks targets, alpha, dropout"),
+     ("[4]", r"lora_settings metadata holds a list, expected an object"),
+     ('{"targets": "q_proj", "r": 4, "alpha": 8, "dropout": 0}', r"lora_settings targets='q_proj': expected a list"),
+     ('{"targets": ["q_proj"], "r": 4, "alpha": null, "dropout": 0}', r"lora_settings alpha=None"),
+     ("r=4", r"lora_settings metadata is not JSON")],
+    ids=["lacking fields", "a list", "targets a string", "alpha null", "not JSON"],
+)  # fmt: skip
+def test_adapters_file_with_bad_settings_is_a_value_error_naming_it(tmp_path, settings, pattern):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "adapters.safetensors"
+    save_file({"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 64)}, path, metadata={"lora_settings": settings})
+    with pytest.raises(ValueError, match=r"adapters\.safetensors: " + pattern):
+        load_lora(tiny(), path)

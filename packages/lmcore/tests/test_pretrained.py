@@ -82,3 +82,29 @@ def test_lora_model_round_trips_with_its_adapters(tmp_path):
     merged = merge_lora(loaded)
     merged.save_pretrained(tmp_path / "merged")
     torch.testing.assert_close(GPT.from_pretrained(tmp_path / "merged").eval()(ids).logits, model(ids).logits)
+
+
+def _pickle_bytes(path):
+    torch.save({"weight": torch.zeros(2)}, path)  # a pickle under the weights' name: never unpickled
+
+
+def _int64(path):
+    save_file({k: v.long() for k, v in load_file(path).items()}, path)
+
+
+def _lora_settings_lacking(path):
+    save_file(load_file(path), path, metadata={"format": "pt", "lora_settings": '{"r": 4, "alpha": 8}'})
+
+
+@pytest.mark.parametrize(
+    ("damage", "pattern"),
+    [(_pickle_bytes, r"model\.safetensors: not a readable safetensors file"),
+     (_int64, r"model\.safetensors: \S+ is int64, expected a floating-point tensor"),
+     (_lora_settings_lacking, r"model\.safetensors: lora_settings metadata lacks targets, dropout")],
+    ids=["a pickle", "int64 tensors", "LoRA settings lacking fields"],
+)  # fmt: skip
+def test_a_damaged_weights_file_is_a_value_error_naming_it(tmp_path, damage, pattern):
+    GPT(ModelConfig.from_preset("tiny")).save_pretrained(tmp_path)
+    damage(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=pattern):
+        GPT.from_pretrained(tmp_path)

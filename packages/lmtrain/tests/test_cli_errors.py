@@ -162,6 +162,42 @@ def _full_at_run_json(tmp, made, mp, stack):
     return {}
 
 
+class _FillingFile:
+    """A file on a disk with 700 bytes left: a write that does not fit raises ENOSPC, as write() does."""
+
+    def __init__(self, f):
+        self._f, self._room = f, 700
+
+    def write(self, data):
+        if memoryview(data).nbytes > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= memoryview(data).nbytes
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _full_inside_torch_save(tmp, made, mp, stack):
+    import trainloop.checkpoint as checkpoint
+
+    real = checkpoint.open_new
+
+    # The state files' torch.save (a real one): torch's zip writer raises its own error over the write's ENOSPC.
+    def filling(path, mode="w"):
+        f = real(path, mode)
+        return _FillingFile(f) if str(path).endswith(".pt") else f
+
+    mp.setattr(checkpoint, "open_new", filling)
+    return {}
+
+
 def _full_at_token_file(tmp, made, mp, stack):
     import tokbin.writer
 
@@ -177,6 +213,87 @@ def _nan_weights(tmp, made, mp, stack):
         weights = ckpt / "model.safetensors"
         state = {k: torch.full_like(v, float("nan")) for k, v in load_file(weights).items()}
         save_file(state, weights, metadata={"format": "pt"})
+    return {}
+
+
+def _rehash(ckpt: Path) -> None:
+    """Rewrite a checkpoint's manifest for its files as they now are: a damage the size check cannot see."""
+    files = {str(p.relative_to(ckpt)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+             for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json"}  # fmt: skip
+    _edit_json(ckpt / "manifest.json", lambda m: m.update(files=files))
+
+
+def _change_checkpoints(tmp, made, mp, change):
+    _run_copy(tmp, made, mp, [])
+    for ckpt in (tmp / "run" / "checkpoints").glob("step_*"):
+        change(ckpt)
+        _rehash(ckpt)
+
+
+def _pickle_weights(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, lambda c: torch.save({"w": torch.zeros(2)}, c / "model.safetensors"))
+    return {}
+
+
+def _rewrite_weights(change, metadata=None):
+    from safetensors.torch import load_file, save_file
+
+    def rewrite(ckpt):
+        state = load_file(ckpt / "model.safetensors")
+        save_file(change(state), ckpt / "model.safetensors", metadata=metadata or {"format": "pt"})
+
+    return rewrite
+
+
+def _int64_weights(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, _rewrite_weights(lambda s: {k: v.long() for k, v in s.items()}))
+    return {}
+
+
+def _wrong_shape_no_config(tmp, made, mp, stack):
+    # A checkpoint without its own config.json is built from run.json's model config.
+    def change(ckpt):
+        (ckpt / "config.json").unlink()
+        _rewrite_weights(lambda s: {**s, "norm.weight": torch.ones(3)})(ckpt)
+
+    _change_checkpoints(tmp, made, mp, change)
+    return {}
+
+
+def _lora_settings_lacking_fields(tmp, made, mp, stack):
+    _change_checkpoints(tmp, made, mp, _rewrite_weights(lambda s: s, {"format": "pt", "lora_settings": '{"r": 4}'}))
+    return {}
+
+
+def _lora_file_lacking_fields(tmp, made, mp, stack):
+    from safetensors.torch import save_file
+
+    _run_copy(tmp, made, mp, stack)
+    save_file({"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 64)}, tmp / "lora.safetensors",
+              metadata={"lora_settings": '{"targets": ["q_proj"], "r": 4}'})  # fmt: skip
+    return {}
+
+
+def _config_of_2000_layers(tmp, made, mp, stack):
+    import types
+
+    import psutil
+
+    _change_checkpoints(tmp, made, mp, lambda c: _edit_json(c / "config.json", lambda d: d.update(n_layer=2000)))
+    # 2000 tiny layers would fit here (0.4 GB): the host is made to have less, so that nothing big is ever built.
+    mp.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=100 * 2**20))
+    return {}
+
+
+def _run_json_eos_id_text(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "run" / "run.json", lambda d: d.update(eos_id="2"))
+    return {}
+
+
+def _run_json_seq_len_text(tmp, made, mp, stack):
+    _run_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "run" / "run.json", lambda d: d["data_config"].update(seq_len="long"))
     return {}
 
 
@@ -206,6 +323,17 @@ def _no_deepspeed(tmp, made, mp, stack):
         mp.delitem(sys.modules, name)
     mp.setitem(sys.modules, "deepspeed", None)  # as if the deepspeed extra were not installed
     (tmp / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    return {}
+
+
+def _binary_configs(tmp, made, mp, stack):
+    for name in ("config.json", "ds.json"):
+        (tmp / name).write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    return {}
+
+
+def _ds_top_level_typo(tmp, made, mp, stack):
+    (tmp / "ds.json").write_text('{"trian_batch_size": 8, "zero_optimization": {"stage": 2}}')
     return {}
 
 
@@ -252,8 +380,16 @@ ROWS = [
      ["train.bin", "checksum mismatch", "lmtrain prepare"]),
     ("train disk full at a checkpoint", [*T, "--out", "{tmp}/r"], _full_at_checkpoint,
      ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
+    ("train disk full inside torch.save", [*T, "--out", "{tmp}/r"], _full_inside_torch_save,
+     ["no space left on device", "{tmp}/r/checkpoints/.tmp-step_00000002", "a checkpoint of this run takes about"]),
     ("train --deepspeed without the extra", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _no_deepspeed,
      ["needs deepspeed", "[deepspeed]"]),
+    ("train --model-config binary", ["train", "--data", "{data}", "--out", "{tmp}/r", "--model-config",
+     "{tmp}/config.json"], _binary_configs, ["--model-config {tmp}/config.json", "can't decode byte 0x89"]),
+    ("train --deepspeed binary", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _binary_configs,
+     ["DeepSpeed config {tmp}/ds.json", "not UTF-8 text", "a binary file?"]),
+    ("train --deepspeed top-level typo", [*T, "--out", "{tmp}/r", "--deepspeed", "{tmp}/ds.json"], _ds_top_level_typo,
+     ["unknown top-level key 'trian_batch_size'", "did you mean 'train_batch_size'"]),
     ("train disk full at run.json", [*T, "--out", "{tmp}/r"], _full_at_run_json,
      ["{tmp}/r/run.json", "No space left on device"]),
     # eval
@@ -266,15 +402,40 @@ ROWS = [
     ("eval --checkpoint 999", ["eval", *R, "--text", "{corpus}", "--checkpoint", "999"], _run_copy, ["999"]),
     ("eval --verify full, a flipped byte", ["eval", *R, "--text", "{corpus}", "--verify", "full"],
      _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("eval NaN weights", ["eval", *R, "--text", "{corpus}"], _nan_weights,
+     ["step_00000002", "NaN or inf", "loss nan", "an earlier checkpoint with --checkpoint"]),
+    ("eval --json NaN weights", ["eval", *R, "--text", "{corpus}", "--json"], _nan_weights, ["NaN or inf"]),
+    ("eval pickle as model.safetensors", ["eval", *R, "--text", "{corpus}"], _pickle_weights,
+     ["step_00000002/model.safetensors", "not a readable safetensors file"]),
+    ("eval int64 weights", ["eval", *R, "--text", "{corpus}"], _int64_weights,
+     ["model.safetensors", "is int64, expected a floating-point tensor"]),
+    ("eval wrong-shaped weights, no config.json", ["eval", *R, "--text", "{corpus}"], _wrong_shape_no_config,
+     ["model.safetensors: norm.weight is float32 (3,)", "the run's model config has float32 (64,)"]),
+    ("eval lora_settings lacking fields", ["eval", *R, "--text", "{corpus}"], _lora_settings_lacking_fields,
+     ["model.safetensors", "lora_settings metadata lacks targets, alpha, dropout"]),
+    ("eval run.json eos_id a string", ["eval", *R, "--text", "{corpus}"], _run_json_eos_id_text,
+     ["run.json", "eos_id='2'", "an integer"]),
+    ("eval run.json seq_len a string", ["eval", *R, "--text", "{corpus}"], _run_json_seq_len_text,
+     ["run.json", "data_config.seq_len='long'"]),
+    ("eval a config of 2000 layers", ["eval", *R, "--text", "{corpus}"], _config_of_2000_layers,
+     ["step_00000002", "n_layer=2000", "GiB of host memory to load, 0.1 GiB is available"]),
     # generate
     ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
      ["--temperature", "nan"]),
     ("generate --top-k 0", ["generate", *R, "--prompt", "x", "--top-k", "0"], _run_copy, ["--top-k", "0"]),
     ("generate NaN weights", ["generate", *R, "--prompt", "x", "--checkpoint", "latest"], _nan_weights,
      ["NaN or inf", "step_00000002"]),
+    ("generate --prompt not UTF-8", ["generate", *R, "--prompt", b"ab\xff".decode("utf-8", "surrogateescape")],
+     _run_copy, ["--prompt", "not UTF-8 text", "byte 0xff at character 2"]),
     ("generate run.json not JSON", ["generate", *R, "--prompt", "x"], _run_json_garbage, ["run.json"]),
     ("generate --verify full, a flipped byte", ["generate", *R, "--prompt", "x", "--verify", "full"],
      _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("generate pickle as model.safetensors", ["generate", *R, "--prompt", "x"], _pickle_weights,
+     ["not a readable safetensors file"]),
+    ("generate int64 weights", ["generate", *R, "--prompt", "x"], _int64_weights, ["is int64"]),
+    ("generate run.json eos_id a string", ["generate", *R, "--prompt", "x"], _run_json_eos_id_text, ["eos_id='2'"]),
+    ("generate a config of 2000 layers", ["generate", *R, "--prompt", "x"], _config_of_2000_layers,
+     ["n_layer=2000", "GiB is available"]),
     # export
     ("export --format bogus", ["export", *R, "--out", "{tmp}/x", "--format", "bogus"], _run_copy,
      ["--format", "bogus"]),
@@ -283,6 +444,16 @@ ROWS = [
     ("export --out a file", ["export", *R, "--out", "{tmp}/file", "--format", "hf"], _file_and_run, ["/file"]),
     ("export --verify full, a flipped byte", ["export", *R, "--out", "{tmp}/x", "--format", "hf", "--verify",
      "full"], _flipped_checkpoint_byte, ["step_00000002", "SHA-256 mismatch in model.safetensors"]),
+    ("export pickle as model.safetensors", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _pickle_weights,
+     ["not a readable safetensors file"]),
+    ("export int64 weights", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _int64_weights, ["is int64"]),
+    ("export run.json eos_id a string", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _run_json_eos_id_text,
+     ["eos_id='2'"]),
+    ("export a config of 2000 layers", ["export", *R, "--out", "{tmp}/x", "--format", "hf"], _config_of_2000_layers,
+     ["n_layer=2000", "GiB is available"]),
+    ("export --lora lacking fields", ["export", *R, "--out", "{tmp}/x", "--format", "hf", "--lora",
+     "{tmp}/lora.safetensors"], _lora_file_lacking_fields,
+     ["--lora {tmp}/lora.safetensors: lora_settings metadata lacks alpha, dropout"]),
     # doctor
     ("doctor --hostfile missing", ["doctor", "--hostfile", "{tmp}/none"], None, ["hostfile {tmp}/none", "No such"]),
     ("doctor --hostfile binary", ["doctor", "--hostfile", "{tmp}/hosts"], _hostfile_binary,
@@ -354,3 +525,56 @@ def test_train_resume_verify(verify, made, tmp_path, monkeypatch, capsys):
         assert len(err.splitlines()) == 1 and "none usable" in err and "nothing was changed" in err, err
         after = {str(p.relative_to(run)): p.read_bytes() for p in run.rglob("*") if p.is_file()}
         assert {k: v for k, v in after.items() if k != ".lmtrain.lock"} == before  # the lock: the command's own
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line(made, tmp_path, monkeypatch, capsys):
+    """A first Ctrl-C asks the loop to save and stop after the step; a second, before the step ends, stops at once:
+    one line, status 130, no traceback, and every checkpoint left in the run is complete."""
+    import signal
+
+    from lmcore import GPT
+    from trainloop.checkpoint import CheckpointStore, verify_checkpoint
+
+    forward, calls = GPT.forward, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # in the middle of step 5 (one forward per step: no accumulation, no evaluation yet)
+            signal.raise_signal(signal.SIGINT)  # the handler runs before this returns: stop after this step
+            signal.raise_signal(signal.SIGINT)  # and again: at once
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", interrupted)
+    argv = [*T, "--out", "{tmp}/r", "--max-steps", "50", "--set", "save_every=2", "--set", "eval_every=100"]
+    try:
+        code = main([a.format(tmp=tmp_path, data=made / "data") for a in argv])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped lmtrain's main")
+    err = capsys.readouterr().err.strip()
+    assert code == 130 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == ("lmtrain train: interrupted (Ctrl-C): stopped at once; the newest complete "
+                                    "checkpoint is kept (--resume continues from it)"), err  # fmt: skip
+    store = CheckpointStore(tmp_path / "r")
+    assert store.steps() == [2, 4] and all(verify_checkpoint(store.step_dir(s)) is None for s in store.steps())
+
+
+def _meta_outside(tmp, made, mp, stack):
+    _data_copy(tmp, made, mp, stack)
+    _edit_json(tmp / "data" / "meta.json", lambda d: d.update(tokenizer="../../tokenizer.model"))
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [(_meta_garbage, ["meta.json", "unreadable"]), (_meta_wrong_types, ["meta.json", "vocab_size", "many"]),
+     (_meta_outside, ["meta.json", "leaves the data directory"])],
+    ids=["not JSON", "wrong types", "a path outside"],
+)  # fmt: skip
+def test_doctor_fails_on_a_bad_meta_json(setup, words, made, tmp_path, monkeypatch, capsys):
+    """`doctor --data` reads meta.json as `train` does: what `train` refuses is a FAIL (and a non-zero status)."""
+    setup(tmp_path, made, monkeypatch, [])
+    code = main(["doctor", "--data", str(tmp_path / "data")])
+    out = capsys.readouterr().out
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL data ")]
+    assert code == 1 and len(fails) == 1, out
+    assert all(w in fails[0] for w in words) and "lmtrain prepare" in fails[0], fails[0]

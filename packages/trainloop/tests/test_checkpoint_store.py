@@ -57,6 +57,14 @@ def test_malformed_manifests_are_incomplete(run, content):
     assert CheckpointStore(run).resolve("latest")[0].name == "step_00000004"
 
 
+@pytest.mark.parametrize(("field", "value"), [("world_size", "two"), ("world_size", 0), ("engine", 3)])
+def test_manifest_fields_of_the_wrong_type_make_it_incomplete(run, field, value):
+    path, manifest = _manifest(run, 6)
+    path.write_text(json.dumps({**manifest, field: value}))
+    assert f"malformed manifest ({field} {value!r}" in verify_checkpoint(path.parent)
+    assert _train(run, resume=True, max_steps=7)["step"] == 7  # from step 4, the newest usable one
+
+
 def test_sizes_by_default_hashes_on_request(run):
     ckpt = CheckpointStore(run).step_dir(6)
     weights = ckpt / "model.safetensors"

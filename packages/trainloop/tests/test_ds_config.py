@@ -161,14 +161,49 @@ def test_batch_that_does_not_split_over_the_ranks_is_one_line():
          r"optimizer\.params\.adam_w_mode=false: the loop's AdamW has true"),
         ('{"optimizer": {"params": {"lr": -1}}}', r"TrainConfig\.lr=-1 is invalid.*\(adopted: lr from optimizer"),
         ('{"fp16": {"enabled": true}, "bf16": {"enabled": true}}', r"bf16 and fp16 are both enabled"),
+        # DeepSpeed drops an unknown top-level key without a word (inside a block its parser refuses one).
+        ('{"trian_batch_size": 8, "zero_optimization": {"stage": 2}}',
+         r"DeepSpeed config ds\.json: unknown top-level key 'trian_batch_size': DeepSpeed reads no such key \(did "
+         r"you mean 'train_batch_size' or 'train_micro_batch_size_per_gpu'\? fix or remove it\)$"),
+        ('{"zero_optimisation": {"stage": 2}, "bf16": {"enabled": true}}',
+         r"unknown top-level key 'zero_optimisation'.*did you mean 'zero_optimization'"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe",
+         r"DeepSpeed config .*ds\.json: not UTF-8 text \(byte 0: invalid start byte; a binary file\?\)"),
     ],
 )  # fmt: skip
 def test_bad_files_are_one_line(tmp_path, text, pattern):
     path = tmp_path / "ds.json"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError, match=pattern) as err:
         adopt_ds_config(path, TrainConfig(), 1, on_cpu=True)
     assert "\n" not in str(err.value)
+
+
+def test_top_level_keys_deepspeed_reads_are_kept_though_the_loop_does_not_use_them():
+    """The known keys come from the installed DeepSpeed: its parser's lookups and those of deepspeed.initialize
+    (sequence_parallel_size: only initialize reads it), so a key of a feature the loop leaves alone passes through."""
+    kept = {"wall_clock_breakdown": True, "tensorboard": {"enabled": False}, "comms_logger": {"enabled": False},
+            "sequence_parallel_size": 1, "bfloat16": {"enabled": False}}  # fmt: skip
+    ds = adopt_ds_config(kept, TrainConfig(), 1, on_cpu=True).ds_config
+    assert {k: ds[k] for k in kept} == kept
+
+
+def test_known_keys_are_found_once_deepspeed_imports_again(monkeypatch):
+    """Without DeepSpeed nothing is checked; that answer is not kept once DeepSpeed imports again (the keys are)."""
+    import sys
+
+    from trainloop import ds_config
+
+    monkeypatch.setattr(ds_config, "_minimal", [])
+    with monkeypatch.context() as hidden:
+        for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+            hidden.delitem(sys.modules, name)
+        hidden.setitem(sys.modules, "deepspeed", None)
+        assert ds_config.deepspeed_top_level_keys() is None
+        adopt_ds_config({"trian_batch_size": 8}, TrainConfig(), 1, on_cpu=True)  # nothing to check it against
+    assert "train_batch_size" in ds_config.deepspeed_top_level_keys()
+    with pytest.raises(ConfigError, match="unknown top-level key 'trian_batch_size'"):
+        adopt_ds_config({"trian_batch_size": 8}, TrainConfig(), 1, on_cpu=True)
 
 
 def test_missing_file_is_one_line(tmp_path):

@@ -110,22 +110,63 @@ def test_every_file_of_a_run_follows_the_umask(tmp_path, mask):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o777 & ~mask for p in dirs)
 
 
-def test_a_full_disk_during_a_save_names_the_path_and_the_space(tmp_path, monkeypatch):
+def _full_at_save_torch(monkeypatch):
+    """The checkpoint's torch state file: its write raises ENOSPC, as write() does on a full disk."""
     import trainloop.engine_torch as engine_torch
 
-    _fit(tmp_path, max_steps=2)  # a complete checkpoint to size the next one by
-    size = sum(e["bytes"] for e in json.loads((tmp_path / "checkpoints/step_00000002/manifest.json").read_text())[
-        "files"].values())  # fmt: skip
     real = engine_torch.save_torch
 
     def full(obj, path):
         if "tmp-step_00000004" in str(path):
             with open(path, "wb") as f:
                 f.write(b"partial")
-            raise OSError(errno.ENOSPC, "No space left on device")  # what write() raises on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
         real(obj, path)
 
     monkeypatch.setattr(engine_torch, "save_torch", full)
+
+
+class _FillingFile:
+    """A file on a disk with ``room`` bytes left: a write that does not fit raises ENOSPC, as write() does."""
+
+    def __init__(self, f, room):
+        self._f, self._room = f, room
+
+    def write(self, data):
+        n = memoryview(data).nbytes
+        if n > self._room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self._room -= n
+        return self._f.write(data)
+
+    def __getattr__(self, name):  # flush, fileno, close
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _full_inside_torch_save(monkeypatch):
+    """The disk fills in the middle of torch.save's zip writer (a real torch.save): it raises its own RuntimeError
+    ("unexpected pos ...", or "PytorchStreamWriter failed writing file ...") over the write's OSError."""
+    real = checkpoint.open_new
+
+    def filling(path, mode="w"):
+        f = real(path, mode)
+        return _FillingFile(f, 700) if "tmp-step_00000004" in str(path) and str(path).endswith(".pt") else f
+
+    monkeypatch.setattr(checkpoint, "open_new", filling)
+
+
+@pytest.mark.parametrize("fault", [_full_at_save_torch, _full_inside_torch_save], ids=["at a write", "in torch.save"])
+def test_a_full_disk_during_a_save_names_the_path_and_the_space(tmp_path, monkeypatch, fault):
+    _fit(tmp_path, max_steps=2)  # a complete checkpoint to size the next one by
+    size = sum(e["bytes"] for e in json.loads((tmp_path / "checkpoints/step_00000002/manifest.json").read_text())[
+        "files"].values())  # fmt: skip
+    fault(monkeypatch)
     with pytest.raises(DiskFullError) as info:
         _fit(tmp_path, resume=True, max_steps=4)
     message = str(info.value)
@@ -136,11 +177,42 @@ def test_a_full_disk_during_a_save_names_the_path_and_the_space(tmp_path, monkey
     assert CheckpointStore(tmp_path).find_resumable()[0].name == "step_00000002"
 
 
-def test_disk_full_recognises_wrapped_errors():
+def _raised_over(error, context):
+    """``error`` as Python raises it in an ``except`` block handling ``context``."""
+    try:
+        try:
+            raise context
+        except OSError:
+            raise error  # noqa: B904 - the implicit context is what torch's writer leaves
+    except BaseException as exc:
+        return exc
+
+
+def _safetensors_full():
     from safetensors import SafetensorError
 
-    assert disk_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"))
-    assert disk_full(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
-    assert not disk_full(OSError(errno.EACCES, "Permission denied"))
-    assert not disk_full(RuntimeError("loss is nan (os error 280)"))
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+ZIP_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 642 vs 598"
+ZIP_RECORD = "[enforce fail at inline_container.cc:588] . PytorchStreamWriter failed writing file data/0: file write " \
+             "failed"  # fmt: skip
+DISK_FULL = [
+    ("ENOSPC", lambda: ENOSPC, True),
+    ("EDQUOT", lambda: OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+    ("safetensors", _safetensors_full, True),
+    ("torch.save over the write's ENOSPC", lambda: _raised_over(RuntimeError(ZIP_POS), ENOSPC), True),
+    ("torch.save's own write", lambda: RuntimeError(ZIP_RECORD), True),
+    ("EACCES", lambda: OSError(errno.EACCES, "Permission denied"), False),
+    ("torch.save over an EIO", lambda: _raised_over(RuntimeError(ZIP_POS), OSError(errno.EIO, "I/O error")), False),
+    ("reading a damaged zip", lambda: RuntimeError("[enforce fail at inline_container.cc:318] . PytorchStreamReader "
+                                                   "failed reading zip archive: failed finding central directory"),
+     False),
+    ("a number like the code", lambda: RuntimeError("loss is nan (os error 280)"), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "full"), [r[1:] for r in DISK_FULL], ids=[r[0] for r in DISK_FULL])
+def test_disk_full_recognises_wrapped_errors(make, full):
+    assert disk_full(make()) is full

@@ -1,10 +1,16 @@
 """Collectives and teardown on 2 gloo ranks: sums and JSON broadcasts through trainloop's buffers, and the process
-group destroyed by Trainer.close() or, for a script that never closes its Trainer, before the interpreter exits."""
+group destroyed by Trainer.close() or, for a script that never closes its Trainer, before the interpreter exits; a
+one-rank group's port taken between its choice and its bind."""
 
 import json
+import os
+import socket
 
 import pytest
+import torch.distributed as dist
 from launch import run
+
+from trainloop import distributed
 
 
 def _reports(run_dir) -> list[dict]:
@@ -28,3 +34,40 @@ def test_process_group_is_destroyed_before_the_interpreter_exits(tmp_path, mode)
             assert next(r for r in mine if r.get("when") == "after close")["buffers_held_elsewhere"] == 0
         else:
             assert states["before teardown"] is True  # the atexit teardown, not the script, destroyed it
+
+
+@pytest.mark.parametrize("taken", [1, distributed.PORT_ATTEMPTS])
+def test_a_port_taken_before_the_bind_is_replaced_by_another(monkeypatch, taken):
+    """The first ports chosen are taken by the time the group's store binds them (here by this test, listening on
+    them): the next free one is used; when every attempt's port is taken, torch's EADDRINUSE error is raised."""
+    listeners = []
+    for _ in range(taken):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        listeners.append(s)
+    ports = iter([s.getsockname()[1] for s in listeners])
+    real, chosen = distributed._free_port, []
+
+    def taken_first():
+        chosen.append(next(ports, None) or real())
+        return chosen[-1]
+
+    monkeypatch.setattr(distributed, "_free_port", taken_first)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "")
+    monkeypatch.delenv("MASTER_PORT")  # restored as it was (unset) after the test
+    try:
+        if taken < distributed.PORT_ATTEMPTS:
+            distributed.init_on_a_free_port(lambda: dist.init_process_group("gloo", rank=0, world_size=1))
+            assert dist.is_initialized() and len(chosen) == taken + 1
+            assert os.environ["MASTER_PORT"] == str(chosen[-1])
+        else:
+            with pytest.raises(dist.DistNetworkError, match="EADDRINUSE"):
+                distributed.init_on_a_free_port(lambda: dist.init_process_group("gloo", rank=0, world_size=1))
+            assert len(chosen) == distributed.PORT_ATTEMPTS and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for s in listeners:
+            s.close()

@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -29,6 +29,8 @@ TARGET_MODULES = {
     "down": "down_proj",
 }
 DEFAULT_TARGETS = ("q", "k", "v", "o")
+# What save_lora and save_pretrained record of the adapters, in the weights file's metadata.
+SETTINGS_FIELDS = ("targets", "r", "alpha", "dropout")
 
 # apply_lora, merge_lora and load_lora change a model in place and return it: the caller's type comes back.
 M = TypeVar("M", bound=nn.Module)
@@ -178,6 +180,40 @@ def save_lora(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def read_lora_settings(text: str, where: str | os.PathLike[str]) -> dict[str, Any]:
+    """The adapter settings a weights file's ``lora_settings`` metadata holds, checked: anything but an object with
+    every field of ``SETTINGS_FIELDS`` (targets a list of names, alpha and dropout numbers) is a ValueError that
+    names ``where`` and the field; the values themselves are checked by ``apply_lora``.
+
+    Example:
+        >>> read_lora_settings('{"targets": ["q_proj"], "r": 4, "alpha": 8, "dropout": 0.0}', "a.safetensors")["r"]
+        4
+        >>> read_lora_settings('{"r": 4}', "a.safetensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: a.safetensors: lora_settings metadata lacks targets, alpha, dropout (save_lora writes ...)
+    """
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: lora_settings metadata is not JSON ({exc})") from None
+    expected = ", ".join(SETTINGS_FIELDS)
+    if not isinstance(settings, dict):
+        raise ValueError(f"{where}: lora_settings metadata holds a {type(settings).__name__}, expected an object with "
+                         f"{expected}")  # fmt: skip
+    missing = [f for f in SETTINGS_FIELDS if f not in settings]
+    if missing:
+        raise ValueError(f"{where}: lora_settings metadata lacks {', '.join(missing)} (save_lora writes {expected})")
+    targets = settings["targets"]
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{where}: lora_settings targets={targets!r}: expected a list of module names")
+    for field in ("alpha", "dropout"):
+        value = settings[field]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}: lora_settings {field}={value!r}: expected a finite number")
+    return settings
+
+
 def load_lora(model: M, path: str | os.PathLike[str]) -> M:
     """Load adapters saved by `save_lora` into `model`, applying LoRA first (with the saved settings) if needed.
 
@@ -202,7 +238,7 @@ def load_lora(model: M, path: str | os.PathLike[str]) -> M:
         metadata = f.metadata() or {}
         if "lora_settings" not in metadata:
             raise ValueError(f"{path} has no lora_settings metadata: not a save_lora() file")
-        settings = json.loads(metadata["lora_settings"])
+        settings = read_lora_settings(metadata["lora_settings"], path)
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
     if not lora_modules(model):
         apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"])

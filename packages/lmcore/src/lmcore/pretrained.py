@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lmcore.config import ModelConfig
-from lmcore.lora import apply_lora, lora_modules
+from lmcore.lora import apply_lora, lora_modules, read_lora_settings
 
 if TYPE_CHECKING:
     from lmcore.model import GPT
@@ -92,20 +92,24 @@ def read_config(directory: str | Path) -> ModelConfig:
 def load_pretrained(cls: type[GPT], directory: str | Path, map_location: str | torch.device = "cpu") -> GPT:
     """Build `cls(config)` from `directory/config.json` and load `directory/model.safetensors` into it.
 
-    A key missing from or unexpected in the weights, or a shape that differs from what the config
-    implies, raises ValueError naming the key and both shapes. Saved adapters come back as LoRA modules.
+    A file that is not safetensors, a key missing from or unexpected in the weights, a shape that differs from what
+    the config implies, or a tensor that is not floating point where the model's is, raises ValueError naming the
+    file and the key. Saved adapters come back as LoRA modules.
     """
     directory = Path(directory)
     config = read_config(directory)
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} not found (expected a save_pretrained directory)")
-    with safe_open(str(weights_path), framework="pt", device=str(map_location)) as f:
-        metadata = f.metadata() or {}
-        weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    try:
+        with safe_open(str(weights_path), framework="pt", device=str(map_location)) as f:
+            metadata = f.metadata() or {}
+            weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    except SafetensorError as exc:  # e.g. a pickle or any other file under the name: never unpickled
+        raise ValueError(f"{weights_path}: not a readable safetensors file ({exc})") from None
     model = cls(config)
     if LORA_METADATA in metadata:
-        settings = json.loads(metadata[LORA_METADATA])
+        settings = read_lora_settings(metadata[LORA_METADATA], weights_path)
         apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"])
     expected = _storable_names(model)
     missing = sorted(set(expected) - set(weights))
@@ -122,6 +126,10 @@ def load_pretrained(cls: type[GPT], directory: str | Path, map_location: str | t
                 f"{weights_path}: {key} has shape {tuple(tensor.shape)} but {directory / CONFIG_NAME} "
                 f"implies {tuple(expected[key].shape)}"
             )
+        if expected[key].is_floating_point() and not tensor.is_floating_point():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise ValueError(f"{weights_path}: {key} is {dtype}, expected a floating-point tensor (float32, bfloat16 "
+                             "or float16) as save_pretrained writes")  # fmt: skip
     model.to(device=map_location, dtype=weights["embed_tokens.weight"].dtype)  # keep the saved precision
     model.load_state_dict(weights, strict=False)  # lm_head.weight is tied, everything else was checked above
     return model

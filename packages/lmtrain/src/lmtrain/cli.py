@@ -282,6 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lmtrain` command; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run_command(args)
+    except KeyboardInterrupt:
+        # A first Ctrl-C during `train` saves and stops at the next step; a second one, or Ctrl-C in any other
+        # command (or while one starts), stops at once. 130: the shell's status for a process ended by SIGINT.
+        kept = "; the newest complete checkpoint is kept (--resume continues from it)"
+        kept = kept if args.command == "train" else ""
+        print(f"lmtrain {args.command}: interrupted (Ctrl-C): stopped at once{kept}", file=sys.stderr)
+        return 130
+
+
+def _run_command(args: argparse.Namespace) -> int:
     if args.launcher_local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.launcher_local_rank))
     if args.no_progress:  # tqdm reads it in every package, trainloop's loop too

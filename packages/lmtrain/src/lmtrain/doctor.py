@@ -12,7 +12,6 @@ import contextlib
 import errno
 import importlib
 import ipaddress
-import json
 import os
 import platform
 import re
@@ -294,18 +293,22 @@ def check_data(data_dir: str | None) -> list[Check]:
     if not data_dir:
         return [Check(WARN, "data", "no --data given: token files not verified", "lmtrain doctor --data DATA_DIR")]
     import tokbin
+    from lmtrain.errors import LmtrainError
+    from lmtrain.run_files import read_meta
 
     meta_path = Path(data_dir) / "meta.json"
     if not meta_path.is_file():
         return [Check(FAIL, "data", f"{meta_path} missing", f"lmtrain prepare --out {data_dir} ...")]
-    meta = json.loads(meta_path.read_text())
-    tokenizer = Path(data_dir) / meta["tokenizer"]
+    try:
+        meta = read_meta(data_dir)  # what `train` reads: the same checks, the same one-line reasons
+    except LmtrainError as exc:
+        return [Check(FAIL, "data", str(exc).splitlines()[0], f"lmtrain prepare --out {data_dir} ...")]
     checks = []
     for split in ("train", "val"):
-        path = Path(data_dir) / meta[split]["file"]
+        path = Path(meta[f"{split}_path"])
         try:
-            tokbin.open_tokens(path).verify(tokenizer)
-            checks.append(Check(OK, f"data/{split}", f"{path} verified ({meta[split]['tokens']:,} tokens)"))
+            tokens = tokbin.open_tokens(path).verify(meta["tokenizer_path"])["n_tokens"]
+            checks.append(Check(OK, f"data/{split}", f"{path} verified ({tokens:,} tokens)"))
         except (tokbin.TokenFileError, OSError) as exc:
             checks.append(Check(FAIL, f"data/{split}", str(exc).splitlines()[0], "re-run lmtrain prepare"))
     return checks

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -268,6 +269,29 @@ def evaluate_text(
     return result
 
 
+def check_finite(result: dict[str, Any], model: torch.nn.Module, checkpoint: Path, dtype: str) -> None:
+    """Refuse, in one line, an evaluation whose figures are not finite numbers: the checkpoint, why (weights that
+    hold NaN or inf, or an overflow in a 16-bit `dtype`) and what to evaluate instead."""
+    from trainloop.checkpoint import CheckpointStore
+
+    figures = {k: v for k, v in result.items() if k in METRICS or k.endswith("_std")}
+    bad = {k: v for k, v in figures.items() if not math.isfinite(v)}
+    if not bad:
+        return
+    shown = " ".join(map(str, next(iter(bad.items()))))  # e.g. "loss nan"
+    earlier: list[int] = []
+    if checkpoint.parent.name == "checkpoints" and (step := re.fullmatch(r"step_(\d+)", checkpoint.name)):
+        earlier = [s for s in CheckpointStore(checkpoint.parent.parent).steps() if s < int(step.group(1))]
+    which = f" (earlier ones here: steps {', '.join(map(str, earlier[-5:]))})" if earlier else ""
+    earlier_fix = f"evaluate an earlier checkpoint with --checkpoint STEP{which}"
+    if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        cause = f"its weights are finite, the activations overflowed in --dtype {dtype}"
+        fix = "evaluate with --dtype fp32" if dtype != "fp32" else earlier_fix
+    else:
+        cause, fix = "its weights hold NaN or inf values (a diverged run, or damaged weights)", earlier_fix
+    raise LmtrainError(f"{checkpoint}: the evaluation gave {shown}: {cause}; {fix}")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """The `lmtrain eval` command (one process, or every rank of a torchrun job; rank 0 prints)."""
     import torch.distributed as dist
@@ -310,13 +334,14 @@ def run_eval(args: argparse.Namespace) -> int:
     finally:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+    check_finite(result, model, checkpoint, args.dtype)  # every rank: they all hold the all-reduced figures
     if rank != 0:
         return 0
     result.update(checkpoint=str(checkpoint), text=str(path), device=str(device), dtype=args.dtype, ranks=world_size)
     if not result["lossless_encoding"]:
         print(f"warning: the tokenizer does not round-trip {path}; bits per byte is not exact", file=sys.stderr)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result, allow_nan=False))  # NaN and Infinity are not JSON; check_finite refused them
     else:
         spread = (
             "" if "loss_std" not in result else f" (+- {result['bits_per_byte_std']:.4f} over {len(result['runs'])})"

@@ -206,7 +206,8 @@ def export_run(
         try:
             load_lora(model, lora)
         except (ValueError, OSError, SafetensorError) as exc:
-            raise LmtrainError(f"--lora {lora}: {exc}") from None
+            said = str(exc)  # lmcore's messages begin with the file's path
+            raise LmtrainError(f"--lora {said}" if said.startswith(str(lora)) else f"--lora {lora}: {said}") from None
     from lmcore import merge_lora as merge
     from lmcore.lora import lora_modules
 

@@ -107,15 +107,43 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """RUN_DIR/run.json as written by `lmtrain train`: a JSON object whose three configs are objects."""
+    """RUN_DIR/run.json as written by `lmtrain train`: a JSON object whose three configs are objects, with the
+    fields the other commands use of the types `train` writes (an integer or null ``eos_id``, a positive integer
+    ``data_config.seq_len``)."""
     path = Path(run_dir) / RUN_FILE
     run = read_json(path, "written by `lmtrain train`")
+    restore = "restore the file `lmtrain train` wrote"
     for key in ("model_config", "train_config", "data_config"):
         if not isinstance(run.get(key) if isinstance(run, dict) else None, dict):
             found = type(run.get(key)).__name__ if isinstance(run, dict) and key in run else "nothing"
-            raise LmtrainError(f"{path}: expected {key!r} to be an object, found {found}; restore the file `lmtrain "
-                               "train` wrote")  # fmt: skip
+            raise LmtrainError(f"{path}: expected {key!r} to be an object, found {found}; {restore}")
+    eos_id, seq_len = run.get("eos_id"), run["data_config"].get("seq_len")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)):
+        raise LmtrainError(f"{path}: eos_id={eos_id!r}: expected a token id (an integer) or null; {restore}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise LmtrainError(f"{path}: data_config.seq_len={seq_len!r}: expected a positive integer; {restore}")
     return run
+
+
+def check_host_memory(config: Any, weights: Path, where: Path) -> None:
+    """Refuse, before anything is allocated, a model whose loading would not fit in the host's available memory:
+    the fp32 model `GPT(config)` builds (4 bytes per parameter, lmcore's closed-form count) plus the weights file
+    read into memory. A config.json asking for 2000 layers otherwise takes the machine's memory until the kernel
+    kills the process."""
+    import psutil
+
+    from lmcore import n_params
+
+    count = n_params(config)
+    need = 4 * count + (weights.stat().st_size if weights.is_file() else 0)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise LmtrainError(
+            f"{where}: its model config ({count / 1e9:,.2f}B parameters: n_layer={config.n_layer}, "
+            f"d_model={config.d_model}, vocab_size={config.vocab_size}) takes about {need / 2**30:,.1f} GiB of host "
+            f"memory to load, {available / 2**30:,.1f} GiB is available: if the config is not the one the run "
+            "trained, restore it; else load it on a machine with more memory"
+        )
 
 
 def load_trained_model(
@@ -148,8 +176,11 @@ def load_trained_model(
         True
         >>> work.cleanup()
     """
+    from safetensors import SafetensorError
+
     from lmcore import GPT, ModelConfig
-    from trainloop.checkpoint import CheckpointError, CheckpointStore, load_model_weights
+    from lmcore.pretrained import read_config
+    from trainloop.checkpoint import MODEL_FILE, CheckpointError, CheckpointStore, load_model_weights
 
     run = read_run(run_dir)
     try:
@@ -160,17 +191,35 @@ def load_trained_model(
         if on_note is not None:
             on_note(note)
     check_tokenizer_of(run_dir, path)
-    if (path / "config.json").is_file():
+    own_config = (path / "config.json").is_file()
+    try:
+        config = read_config(path) if own_config else ModelConfig.from_dict(run["model_config"])
+    except (ValueError, TypeError) as exc:  # read_config names its file
+        where = f"{path}: unusable checkpoint" if own_config else f"{Path(run_dir) / RUN_FILE}: model_config"
+        raise LmtrainError(f"{where}: {exc}") from None
+    check_host_memory(config, path / MODEL_FILE, path)
+    if own_config:
         # The checkpoint's own layout (lmcore's save_pretrained): its config, its weights, adapters included.
         try:
             model = GPT.from_pretrained(path)
         except (ValueError, OSError) as exc:
             raise LmtrainError(f"{path}: unusable checkpoint: {exc}") from None
     else:
-        model = GPT(ModelConfig.from_dict(run["model_config"]))
-        state = load_model_weights(path)
+        try:
+            state = load_model_weights(path)
+        except (SafetensorError, OSError) as exc:
+            raise LmtrainError(f"{path}: unusable checkpoint: {path / MODEL_FILE}: {exc}") from None
+        model = GPT(config)
         # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
         state = {_strip_prefix(k): v for k, v in state.items()}
+        own = model.state_dict()
+        for key, tensor in state.items():
+            floating = own[key].is_floating_point() if key in own else True
+            if key in own and (tensor.shape != own[key].shape or (floating and not tensor.is_floating_point())):
+                raise LmtrainError(
+                    f"{path / MODEL_FILE}: {key} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
+                    f"the run's model config has {str(own[key].dtype).removeprefix('torch.')} {tuple(own[key].shape)}"
+                )
         missing, unexpected = model.load_state_dict(state, strict=False)
         # A tied output head has no tensor of its own in some formats.
         missing = [m for m in missing if not m.endswith("lm_head.weight")]

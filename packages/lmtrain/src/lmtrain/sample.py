@@ -54,6 +54,15 @@ def generate_text(
         raise LmtrainError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise LmtrainError(f"--top-k must be >= 1, got {top_k}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes of another encoding on the command line reach argv as surrogates
+        char = ord(prompt[exc.start])  # U+DC80..U+DCFF: the byte 0x80..0xFF as Python's surrogateescape keeps it
+        shown = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"the lone surrogate U+{char:04X}"
+        raise LmtrainError(
+            f"--prompt {prompt!r}: not UTF-8 text ({shown} at character {exc.start}); pass the prompt in UTF-8 "
+            "(e.g. convert it with iconv)"
+        ) from None
     where = resolve_device(device)
     model, run, path = load_trained_model(
         run_dir, str(where), checkpoint=checkpoint, verify=verify, dtype=resolve_dtype(dtype, where), on_note=on_note

@@ -263,7 +263,6 @@ def _world() -> World:
     import torch
 
     import lmcore
-
     from trainloop.distributed import env_world
 
     rank, _, world_size = env_world()

@@ -68,6 +68,11 @@ def read_manifest(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, "malformed manifest (expected an object with a non-empty 'files' mapping)"
     if not isinstance(manifest.get("step"), int):
         return None, "malformed manifest (no integer 'step')"
+    world = manifest.get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        return None, f"malformed manifest (world_size {world!r}: expected a number of ranks >= 1)"
+    if not isinstance(manifest.get("engine", "torch"), str):
+        return None, f"malformed manifest (engine {manifest['engine']!r}: expected a name such as 'torch')"
     root = path.resolve()
     for rel, entry in manifest["files"].items():
         inside = not os.path.isabs(rel) and ".." not in Path(rel).parts

@@ -7,6 +7,7 @@ import atexit
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -37,15 +38,22 @@ def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.de
     if engine == "deepspeed":
         deepspeed = import_extra("deepspeed", "deepspeed", "TrainConfig.engine='deepspeed'")
 
+        choose_port = world == 1 and "MASTER_PORT" not in os.environ
         if world == 1:
             # DeepSpeed insists on a process group; a one-rank group on a private port costs nothing.
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("LOCAL_RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
         initialised = dist.is_initialized()
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+
+        def init() -> None:
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+
+        if choose_port and not initialised:
+            init_on_a_free_port(init)
+        else:
+            init()
         _own(not initialised)
     elif world > 1 and not dist.is_initialized():
         dist.init_process_group(backend, timeout=timeout)
@@ -91,6 +99,25 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORT_ATTEMPTS = 5  # ports init_on_a_free_port tries before it gives up
+
+
+def init_on_a_free_port(init: Callable[[], None], attempts: int = PORT_ATTEMPTS) -> None:
+    """Run ``init`` (which binds ``MASTER_PORT``, as a one-rank process group's store does) on a port that was free
+    when chosen, and on another when that one was taken before ``init`` bound it (EADDRINUSE): a free port is free
+    only until someone binds it, and DeepSpeed's first start builds its communication op (a minute or more) between
+    the choice and the bind. At most ``attempts`` ports; the last one's error is raised as it is."""
+    for attempt in range(1, attempts + 1):
+        os.environ["MASTER_PORT"] = str(_free_port())
+        try:
+            init()
+            return
+        except Exception as exc:
+            text = str(exc)
+            if attempt == attempts or not ("EADDRINUSE" in text or "address already in use" in text.lower()):
+                raise
 
 
 def barrier() -> None:

@@ -6,15 +6,22 @@ TrainConfig's ``micro_batch``, ``grad_accum`` and ``precision``; its AdamW block
 ``beta2``, ``eps``, ``weight_decay`` (the loop builds the optimizer, torch's fused AdamW, also when ZeRO offloads it);
 a WarmupLR, WarmupDecayLR or WarmupCosineLR block becomes the loop's schedule (it sets the learning rate every
 step); ``gradient_clipping`` becomes ``clip`` (the loop clips per group, DeepSpeed's own clipping stays 0).
-``"auto"`` takes the run's value, as in Hugging Face's DeepSpeed integration.
+``"auto"`` takes the run's value, as in Hugging Face's DeepSpeed integration. A top-level key the installed DeepSpeed
+never reads is an error naming the keys nearest to it (DeepSpeed itself would drop it without a word).
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import copy
 import dataclasses
+import difflib
+import functools
+import inspect
 import json
 import math
+import textwrap
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,9 +112,14 @@ def load_ds_config(source: dict[str, Any] | str | Path | None) -> dict[str, Any]
         return dict(pairs)
 
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=no_duplicates)
     except OSError as exc:
         raise ConfigError(f"DeepSpeed config {path}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"DeepSpeed config {path}: not UTF-8 text (byte {exc.start}: {exc.reason}; a binary file?); DeepSpeed "
+            "configs are plain JSON objects"
+        ) from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"DeepSpeed config {path}: not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}); "
@@ -240,6 +252,7 @@ def _read(
     """Every TrainConfig value the JSON sets. A JSON value that differs from an ``explicit`` field is a problem
     when the field is ``strict`` (None: all are), else it is reported as unused."""
     found = _Found()
+    _check_top_level_keys(ds, found)
 
     def take(name: str, value: Any, where: str) -> None:
         ours = getattr(config, name)
@@ -261,6 +274,139 @@ def _read(
     _read_optimizer(ds.get("optimizer"), take, found)
     _read_scheduler(ds.get("scheduler"), config, take, found)
     return found
+
+
+def _check_top_level_keys(ds: dict[str, Any], found: _Found) -> None:
+    """A top-level key DeepSpeed never reads is a problem naming the nearest keys it does read: DeepSpeed itself
+    drops such a key without a word (a misspelt ``train_batch_size`` would leave the batch to the defaults)."""
+    known = deepspeed_top_level_keys()
+    if known is None or not set(ds) - known:
+        return
+    known |= deepspeed_top_level_keys(ds) or set()  # also what only this config's values make DeepSpeed read
+    for key in sorted(set(ds) - known):
+        near = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+        found.problems.append(f"unknown top-level key {key!r}: DeepSpeed reads no such key ({hint}fix or remove it)")
+
+
+class _KeyRecorder(dict):
+    """A config dict that records every key looked up in it; copies of it are itself, so that the lookups on the
+    copy DeepSpeed's parser takes are recorded too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked_up: set[Any] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.looked_up.add(key)
+        return super().__contains__(key)
+
+    def keys(self) -> Any:  # `key in config.keys()` is a lookup too
+        return _RecordedKeys(self)
+
+    def __copy__(self) -> _KeyRecorder:
+        return self
+
+
+class _RecordedKeys:
+    def __init__(self, recorder: _KeyRecorder) -> None:
+        self._recorder = recorder
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._recorder
+
+    def __iter__(self) -> Any:
+        return iter(dict.keys(self._recorder))
+
+    def __len__(self) -> int:
+        return dict.__len__(self._recorder)
+
+
+def _parser_lookups(config: dict[str, Any]) -> set[str] | None:
+    """The top-level keys DeepSpeed's config parser looks up while it parses ``config`` (up to where it refuses
+    it, if it does); None without DeepSpeed."""
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ModuleNotFoundError:
+        return None
+    probe = _KeyRecorder(copy.deepcopy(config))  # the parser may change what it is given
+    # A config it refuses: the lookups up to there still count (_deepspeed_check says why it is refused).
+    with contextlib.suppress(Exception):
+        DeepSpeedConfig(probe)
+    return {k for k in probe.looked_up if isinstance(k, str)}
+
+
+@functools.cache
+def _initialize_lookups() -> frozenset[str]:
+    """The keys ``deepspeed.initialize`` looks up in the config before its parser sees it, read off its source:
+    ``"key" in config``, ``config["key"]``, ``config.get("key")``."""
+    import deepspeed
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(deepspeed.initialize)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    names = {"config", "config_params"}  # its parameters that hold the config
+
+    def is_config(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id in names
+
+    keys = set()
+    for node in ast.walk(tree):
+        key: ast.AST | None = None
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            key = node.left if is_config(node.comparators[0]) else None
+        elif isinstance(node, ast.Subscript) and is_config(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if is_config(node.func.value) and node.args else None
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            keys.add(key.value)
+    return frozenset(keys)
+
+
+# The lookups on a minimal config, once found; nothing is kept while DeepSpeed cannot be imported.
+_minimal: list[frozenset[str]] = []
+
+
+def _minimal_lookups() -> frozenset[str] | None:
+    if not _minimal:
+        found = _parser_lookups({MICRO: 1})
+        if found is None:
+            return None
+        _minimal.append(frozenset(found))
+    return _minimal[0]
+
+
+def deepspeed_top_level_keys(config: dict[str, Any] | None = None) -> frozenset[str] | None:
+    """The top-level keys the installed DeepSpeed reads from a config (and from ``config``, where a key's value makes
+    it read more); None without DeepSpeed.
+
+    Found in DeepSpeed itself, so that the set is the installed release's: the keys its config parser
+    (``DeepSpeedConfig``) looks up while it parses a minimal config and ``config``, and those
+    ``deepspeed.initialize`` looks up before the parser sees the config. Keys of features a release removed are
+    among them where it looks for them to refuse them, with its own message.
+
+    Example (needs the deepspeed extra):
+        >>> keys = deepspeed_top_level_keys()
+        >>> {"train_batch_size", "zero_optimization", "wall_clock_breakdown", "sequence_parallel_size"} <= keys
+        True
+        >>> "trian_batch_size" in keys
+        False
+    """
+    minimal = _minimal_lookups()
+    if minimal is None:
+        return None
+    extra = (_parser_lookups(config) or set()) if config else set()
+    return minimal | _initialize_lookups() | extra
 
 
 def _read_batch(ds: dict, config: TrainConfig, world: int, pinned: set[str], prefix: str, take, found) -> None:

@@ -26,14 +26,31 @@ class DiskFullError(OSError):
     """A write failed for lack of space; the message names the path, the space a checkpoint needs and what is free."""
 
 
+# What torch.save's zip writer raises when a write under it fails (a full disk, in practice): the record it was
+# writing ("PytorchStreamWriter failed writing file data/0: file write failed"), or, when the file object's write
+# raised, the position it then finds ("[enforce fail at inline_container.cc:...] . unexpected pos 642 vs 598").
+_ZIP_WRITER_FAILURES = ("PytorchStreamWriter failed writing file", "] . unexpected pos ")
+
+
 def disk_full(exc: BaseException) -> bool:
     """True for a write that failed with ENOSPC (or EDQUOT, a full quota), also when a library wrapped it:
-    safetensors raises ``SafetensorError("... No space left on device (os error 28)")``."""
+    safetensors raises ``SafetensorError("... No space left on device (os error 28)")``; torch.save's zip writer
+    raises a RuntimeError ("PytorchStreamWriter failed writing file ...", "unexpected pos ...") with the OSError
+    of the failed write as its context, or alone where the write was torch's own. An OSError of another kind in the
+    chain (EIO, say) is not a full disk."""
     codes = (errno.ENOSPC, errno.EDQUOT)
-    if isinstance(exc, OSError):
-        return exc.errno in codes
-    text = str(exc)
-    return any(f"os error {code})" in text for code in codes)
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    errors = [e for e in chain if isinstance(e, OSError) and e.errno is not None]
+    if errors:
+        return errors[0].errno in codes
+    texts = [str(e) for e in chain]
+    if any(f"os error {code})" in text for text in texts for code in codes):
+        return True
+    return isinstance(exc, RuntimeError) and any(k in texts[0] for k in _ZIP_WRITER_FAILURES)
 
 
 def _size(n: float) -> str:
