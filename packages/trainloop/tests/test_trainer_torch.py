@@ -221,6 +221,37 @@ def test_progress_bar_only_on_a_terminal_and_timestamped_lines(tmp_path, capsys,
     assert all("lr " in ln and "gnorm " in ln and "tok/s " in ln and "mem " in ln for ln in lines)
 
 
+class WriteLog:
+    """A stdout that records every write call, as an unbuffered pipe would see them."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_every_log_line_is_one_write(tmp_path, monkeypatch, bar):
+    # Ranks share torchrun's stdout: a line whose newline comes as a second write lets another rank's line land in it.
+    out = WriteLog()
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: bar)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    torch.manual_seed(0)
+    Trainer(TinyLM(), _cfg(max_steps=4, log_every=1, progress=bar), SeqData(4), run_dir=tmp_path).fit()
+    lines = [w for w in out.writes if w.strip()]
+    assert sum("] step " in w for w in lines) == 4, out.writes
+    assert all(w.endswith("\n") and w.count("\n") == 1 for w in lines), out.writes
+
+
 class StepClock:
     """Training time that advances one second per optimizer step: the budget's decisions become deterministic."""
 

@@ -206,10 +206,16 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _say(self, msg: str, bar: Any = None) -> None:
-        """One timestamped line on rank 0 (through the progress bar's own write when a bar is showing)."""
+        """One timestamped line on rank 0 (through the progress bar's own write when a bar is showing), written
+        whole: ``print`` under ``PYTHONUNBUFFERED=1`` sends the text and its newline as two writes, between which
+        another rank's output on the same pipe can land."""
         if self.is_main:
-            line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}"
-            bar.write(line) if bar is not None else print(line, flush=True)
+            line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}\n"
+            if bar is not None:
+                bar.write(line, end="")
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
     def _seed(self, offset: int = 0) -> None:
         seed = self.config.seed + self.rank + 1_000_003 * offset

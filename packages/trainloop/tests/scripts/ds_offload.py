@@ -39,7 +39,7 @@ def main() -> None:
             "steps": [r["step"] for r in recs if "loss" in r],
             "loss": [r["loss"] for r in recs if "loss" in r],
         }
-        print("RESULT " + json.dumps(out), flush=True)
+        os.write(1, ("RESULT " + json.dumps(out) + "\n").encode())  # one write: ranks share stdout
 
 
 if __name__ == "__main__":

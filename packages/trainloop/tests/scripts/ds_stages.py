@@ -42,7 +42,7 @@ def main() -> None:
                 "notes": trainer.engine.notes,
             }
     if rank == 0:
-        print("RESULTS " + json.dumps(results), flush=True)
+        os.write(1, ("RESULTS " + json.dumps(results) + "\n").encode())  # one write: ranks share stdout
 
 
 if __name__ == "__main__":

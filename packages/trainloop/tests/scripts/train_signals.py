@@ -18,6 +18,12 @@ from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
 from trainloop import TrainConfig, Trainer  # noqa: E402
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share torchrun's stdout, and print's separate write of the newline lets
+    another rank's line land in between ("EVAL 0 3EVAL 1 3")."""
+    os.write(1, (line + "\n").encode())
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     run_dir = args.pop("run_dir")
@@ -25,7 +31,7 @@ def main() -> None:
     n_eval = args.pop("eval_batches_n", 4)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    print(f"PID {rank} {os.getpid()}", flush=True)
+    say(f"PID {rank} {os.getpid()}")
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
     base.update(args)
     base["micro_batch"] = 8 // world
@@ -33,7 +39,7 @@ def main() -> None:
     trainer = None
 
     def slow_eval():
-        print(f"EVAL {rank} {trainer.step}", flush=True)
+        say(f"EVAL {rank} {trainer.step}")
         for batch in eval_batches(n_eval):
             time.sleep(eval_sleep_s)
             yield batch
@@ -42,8 +48,7 @@ def main() -> None:
     trainer = Trainer(TinyLM(), cfg, SeqData(cfg.micro_batch, rank=rank, world_size=world), run_dir=run_dir,
                       eval_data=slow_eval)  # fmt: skip
     out = trainer.fit()
-    print(f"SUMMARY {rank} " + json.dumps({k: v for k, v in out.items() if k != "eval"} | {"eval": out["eval"]}),
-          flush=True)  # fmt: skip
+    say(f"SUMMARY {rank} " + json.dumps({k: v for k, v in out.items() if k != "eval"} | {"eval": out["eval"]}))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def main() -> None:
         def slow(state, path):
             real(state, path)
             if f"{hook:08d}" in str(path.parent):
-                print("SAVE_IN_PROGRESS", flush=True)
+                os.write(1, ("SAVE_IN_PROGRESS" + "\n").encode())  # one write: ranks share stdout
                 time.sleep(60)
 
         ck.save_model_weights = slow
@@ -60,7 +60,7 @@ def main() -> None:
                 import signal
 
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # let torchrun end the hung rank at once
-                print(f"rank {rank} hangs", flush=True)
+                os.write(1, (f"rank {rank} hangs" + "\n").encode())  # one write: ranks share stdout
                 time.sleep(600)
             return real_forward(inputs, targets)
 
@@ -81,7 +81,9 @@ def main() -> None:
     trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
     out = trainer.fit(resume=resume)
     if rank == 0:
-        print("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}), flush=True)
+        os.write(
+            1, ("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}) + "\n").encode()
+        )  # one write: ranks share stdout
 
 
 if __name__ == "__main__":
