@@ -259,3 +259,42 @@ def test_data_shorter_than_a_window_is_one_line(make, message):
 def test_a_window_that_just_fits_is_accepted():
     assert RandomWindows(129, 128, 4, seed=0).batch(0)[0].tolist() == [0, 0, 0, 0]
     assert EpochWindows(129, 128, 4, seed=0).n_windows == 1
+
+
+def _global_rows(samplers, steps):
+    """The global batches the ranks draw at `steps`, rows in stream order (rank r holds rows r, r + W, ...)."""
+    world = len(samplers)
+    out = []
+    for step in steps:
+        parts = [s.batch(step)[0] for s in samplers]
+        rows = np.empty(sum(len(p) for p in parts), dtype=np.int64)
+        for r, part in enumerate(parts):
+            rows[r::world] = part
+        out.append(rows)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("fault", [None, "width_ignored"])
+@pytest.mark.parametrize(("old_world", "new_world"), [(2, 1), (1, 2), (2, 3)])
+def test_random_windows_resplit_to_another_width_continues_the_stream(monkeypatch, old_world, new_world, fault):
+    # lmtrain keeps the global batch on a resume to another world size by changing the accumulation, so the
+    # sampler's global width (batch_size x world_size) changes: 2 ranks x 4 rows, then 1 rank x 4 rows twice a step.
+    # The rows after the resume must be the rows an uninterrupted run draws next, none the run has already read.
+    if fault == "width_ignored":  # the earlier re-split: the step kept, the stream re-cut to the new width
+        monkeypatch.setattr(RandomWindows, "_reshard", lambda self, state: None)
+    n, seq, batch, done = 50_000, 8, 4, 100  # 100 steps: the stream crosses a 64-step chunk of the old width
+    old = [RandomWindows(n, seq, batch, seed=3, rank=r, world_size=old_world) for r in range(old_world)]
+    read = _global_rows(old, range(done))
+    stream = _global_rows(old, range(done + 200))[len(read) :]  # what the old world would draw next
+    state = json.loads(json.dumps({**old[0].state_dict(), "step": done}))
+    new = [RandomWindows(n, seq, batch, seed=3, rank=r, world_size=new_world) for r in range(new_world)]
+    for s in new:
+        s.load_state_dict(state)
+    after = _global_rows(new, range(done, done + 60))
+    again = RandomWindows(n, seq, batch, seed=3, rank=0, world_size=new_world)  # resumed once more, same world
+    again.load_state_dict(json.loads(json.dumps({**new[0].state_dict(), "step": done + 30})))
+    if fault is None:
+        assert np.array_equal(after, stream[: len(after)])
+        assert np.array_equal(again.batch(done + 30)[0], new[0].batch(done + 30)[0])
+    else:
+        assert not np.array_equal(after, stream[: len(after)])  # what the equality above catches
