@@ -274,24 +274,33 @@ def _global_rows(samplers, steps):
     return np.concatenate(out)
 
 
+def _random_windows(rank, world):
+    return RandomWindows(50_000, 8, 4, seed=3, rank=rank, world_size=world)
+
+
+def _blend_windows(rank, world):
+    return BlendWindows([30_000, 15_000, 5_000], [0.7, 0.2, 0.1], 8, 4, seed=3, rank=rank, world_size=world)
+
+
 @pytest.mark.parametrize("fault", [None, "width_ignored"])
 @pytest.mark.parametrize(("old_world", "new_world"), [(2, 1), (1, 2), (2, 3)])
-def test_random_windows_resplit_to_another_width_continues_the_stream(monkeypatch, old_world, new_world, fault):
+@pytest.mark.parametrize("make", [_random_windows, _blend_windows], ids=["random", "blend"])
+def test_random_samplers_resplit_to_another_width_continue_the_stream(monkeypatch, make, old_world, new_world, fault):
     # lmtrain keeps the global batch on a resume to another world size by changing the accumulation, so the
     # sampler's global width (batch_size x world_size) changes: 2 ranks x 4 rows, then 1 rank x 4 rows twice a step.
     # The rows after the resume must be the rows an uninterrupted run draws next, none the run has already read.
     if fault == "width_ignored":  # the earlier re-split: the step kept, the stream re-cut to the new width
-        monkeypatch.setattr(RandomWindows, "_reshard", lambda self, state: None)
-    n, seq, batch, done = 50_000, 8, 4, 100  # 100 steps: the stream crosses a 64-step chunk of the old width
-    old = [RandomWindows(n, seq, batch, seed=3, rank=r, world_size=old_world) for r in range(old_world)]
+        monkeypatch.setattr(type(make(0, 1)), "_reshard", lambda self, state: None)
+    done = 100  # 100 steps: the stream crosses a 64-step chunk of the old width
+    old = [make(r, old_world) for r in range(old_world)]
     read = _global_rows(old, range(done))
     stream = _global_rows(old, range(done + 200))[len(read) :]  # what the old world would draw next
     state = json.loads(json.dumps({**old[0].state_dict(), "step": done}))
-    new = [RandomWindows(n, seq, batch, seed=3, rank=r, world_size=new_world) for r in range(new_world)]
+    new = [make(r, new_world) for r in range(new_world)]
     for s in new:
         s.load_state_dict(state)
     after = _global_rows(new, range(done, done + 60))
-    again = RandomWindows(n, seq, batch, seed=3, rank=0, world_size=new_world)  # resumed once more, same world
+    again = make(0, new_world)  # resumed once more, on the same world
     again.load_state_dict(json.loads(json.dumps({**new[0].state_dict(), "step": done + 30})))
     if fault is None:
         assert np.array_equal(after, stream[: len(after)])

@@ -87,48 +87,36 @@ class _Sampler:
         """Restore state beyond the step counter (none for most samplers)."""
 
 
-class RandomWindows(_Sampler):
-    """Windows at uniformly random starts, with replacement; rank r of W takes rows r, r+W, ... of the global batch.
+class _RandomStream(_Sampler):
+    """Random rows drawn in chunks of 64 steps per generator: ``stream_width`` starts per step of the run that began
+    the stream (its ``batch_size x world_size``). A re-split to a global batch of another width continues that
+    stream at the first row not yet read (``base_row``, from step ``base_step``)."""
 
-    Example:
-        >>> s = RandomWindows(100_000, seq_len=1024, batch_size=16, seed=0)
-        >>> starts, seq_len = s.batch(0)
-        >>> starts.shape, seq_len, bool((starts + seq_len + 1 <= 100_000).all())  # each window and its next token fit
-        ((16,), 1024, True)
-        >>> rank1 = RandomWindows(100_000, seq_len=1024, batch_size=8, seed=0, rank=1, world_size=2)
-        >>> bool((rank1.batch(0)[0] == starts[1::2]).all())  # rank 1 of 2: every other row of the same global batch
-        True
-    """
+    seed: int
+    batch_size: int
+    seq_len: int
+    stream_width: int
+    base_step: int
+    base_row: int
+    _chunk_index: int
+    _chunk: np.ndarray | None
 
-    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
-        _check_rank(rank, world_size)
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
-        if n_tokens < seq_len + 1:
-            found = f"fewer than one window at seq_len {seq_len} ({seq_len + 1} tokens with the last target)"
-            raise _too_short(n_tokens, found, n_tokens - 1)
-        self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.step = 0
-        # The stream is rows of `stream_width` starts per step of the run that began it. A re-split to a global
-        # batch of another width continues that stream at the first row not yet read (`base_row`, at `base_step`).
-        self.stream_width, self.base_step, self.base_row = batch_size * world_size, 0, 0
-        self._chunk_index = -1
-        self._chunk: np.ndarray | None = None
-
-    def _config(self) -> dict:
-        keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
-        return {k: getattr(self, k) for k in keys}
+    def _start_stream(self) -> None:
+        self.stream_width, self.base_step, self.base_row = self.batch_size * self.world_size, 0, 0
+        self._chunk_index, self._chunk = -1, None
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "stream": [self.stream_width, self.base_step, self.base_row]}
+
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        """``shape`` window starts drawn from ``rng``."""
+        raise NotImplementedError
 
     def _chunk_rows(self, chunk_index: int) -> np.ndarray:
         """The stream's steps ``chunk_index * 64 ..`` as a (64, stream_width) array of window starts."""
         if self._chunk is None or chunk_index != self._chunk_index:
             rng = np.random.default_rng([self.seed, chunk_index])
-            high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
-            self._chunk = rng.integers(0, high, size=(_CHUNK_STEPS, self.stream_width))
+            self._chunk = self._draw(rng, (_CHUNK_STEPS, self.stream_width))
             self._chunk_index = chunk_index
         return self._chunk
 
@@ -169,6 +157,40 @@ class RandomWindows(_Sampler):
         self.stream_width, self.base_step = width, self.step
         self.base_row = base_row + (self.step - base_step) * old_width
         self._chunk_index, self._chunk = -1, None
+
+
+class RandomWindows(_RandomStream):
+    """Windows at uniformly random starts, with replacement; rank r of W takes rows r, r+W, ... of the global batch.
+
+    Example:
+        >>> s = RandomWindows(100_000, seq_len=1024, batch_size=16, seed=0)
+        >>> starts, seq_len = s.batch(0)
+        >>> starts.shape, seq_len, bool((starts + seq_len + 1 <= 100_000).all())  # each window and its next token fit
+        ((16,), 1024, True)
+        >>> rank1 = RandomWindows(100_000, seq_len=1024, batch_size=8, seed=0, rank=1, world_size=2)
+        >>> bool((rank1.batch(0)[0] == starts[1::2]).all())  # rank 1 of 2: every other row of the same global batch
+        True
+    """
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1):
+        _check_rank(rank, world_size)
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be >= 1, got {seq_len}, {batch_size}")
+        if n_tokens < seq_len + 1:
+            found = f"fewer than one window at seq_len {seq_len} ({seq_len + 1} tokens with the last target)"
+            raise _too_short(n_tokens, found, n_tokens - 1)
+        self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.step = 0
+        self._start_stream()
+
+    def _config(self) -> dict:
+        keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
+        return {k: getattr(self, k) for k in keys}
+
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
+        return rng.integers(0, high, size=shape)
 
 
 class EpochWindows(_Sampler):
@@ -299,7 +321,7 @@ def blend_probabilities(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-class BlendWindows(_Sampler):
+class BlendWindows(_RandomStream):
     """Random windows over a blend of sources: each row draws its source by weight, then a start inside it.
 
     Source i holds positions ``[offset_i, offset_i + sizes[i])`` of the blend (offsets are the running sums of
@@ -344,23 +366,15 @@ class BlendWindows(_Sampler):
         self._offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         # exclusive upper bound of a start inside each source (1 for an unused source too short for a window)
         self._highs = np.maximum(np.asarray(self.sizes, dtype=np.int64) - seq_len, 1)
-        self._chunk_index = -1
-        self._chunk: np.ndarray | None = None
+        self._start_stream()
 
     def _config(self) -> dict:
         keys = ("sizes", "weights", "seq_len", "batch_size", "seed", "rank", "world_size")
         return {k: getattr(self, k) for k in keys}
 
-    def batch(self, step: int) -> tuple[np.ndarray, int]:
-        _check_step(step)
-        chunk_index, row = divmod(step, _CHUNK_STEPS)
-        if self._chunk is None or chunk_index != self._chunk_index:
-            rng = np.random.default_rng([self.seed, chunk_index])
-            shape = (_CHUNK_STEPS, self.batch_size * self.world_size)
-            source = rng.choice(len(self.sizes), size=shape, p=self._p)
-            self._chunk = self._offsets[source] + rng.integers(0, self._highs[source])
-            self._chunk_index = chunk_index
-        return self._chunk[row, self.rank :: self.world_size], self.seq_len
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        source = rng.choice(len(self.sizes), size=shape, p=self._p)
+        return self._offsets[source] + rng.integers(0, self._highs[source])
 
 
 @dataclass(frozen=True)
