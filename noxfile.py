@@ -32,6 +32,7 @@ from check_install_docs import install_lines, pyproject, siblings  # noqa: E402 
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
 TEST_EXTRAS = {
+    "tokbin": ["parquet"],  # Parquet and zstd input are read through pyarrow; without it those tests skip
     "gpumon": ["plot"],
     "lmcore": ["hf"],  # the Hugging Face export tests skip without transformers and peft
     "trainloop": ["deepspeed", "plot", "tensorboard"],
@@ -100,11 +101,13 @@ def _doctests(session: nox.Session, dist: str) -> None:
 
 @nox.session(python="3.11", tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree; mypy (mypy.ini) over the six packages, installed with
+    """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
+    command, commit and load (tools/check_doc_figures.py); mypy (mypy.ini) over the six packages, installed with
     their dependencies so that the types they use are checked too."""
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_doc_figures.py")
     session.install("mypy>=1.10", *[arg for p in PACKAGES for arg in ("-e", _path(p))])
     session.run("mypy", "--config-file", "mypy.ini", *[f"packages/{p}/src" for p in PACKAGES])
 

@@ -1,4 +1,4 @@
-"""The Triton kernels under the interpreter (CPU) on a covering subset of the issue's grid.
+"""The Triton kernels under the interpreter (CPU) on a covering subset of the torch path's grid.
 
 Every value of every axis appears at least once: T in {1, 17, 64, 100, 257}, D in {16, 32, 64, 80, 128} (plus 24
 and 256 for padding and the upper bound), heads 1/1, 4/1, 6/2, 12/12, causal and not, Tq != Tk, non-contiguous

@@ -57,7 +57,7 @@ def test_fake_field_values_echo_the_request_with_a_status_per_field(monkeypatch)
     assert [(v.fieldId, v.scopeId) for v in values] == [(186, 0), (191, 1), (83, 0), (999, 0)]
     assert [v.nvmlReturn for v in values] == [0, 0, 0, fake.NVML_ERROR_NOT_SUPPORTED]
     assert values[0].valueType == fake.NVML_VALUE_TYPE_UNSIGNED_INT and values[0].value.uiVal == 250_000
-    assert values[1].value.ullVal == values[2].value.ullVal  # nvml.h: fields 191 and 83 are the same counter
+    assert values[1].value.ullVal == values[2].value.ullVal  # fields 191 and 83 are the same counter
     assert before - 1e6 <= values[0].timestamp <= time.time() * 1e6 + 1e6  # microseconds since 1970
     fake.nvmlShutdown()
 

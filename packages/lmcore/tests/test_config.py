@@ -43,7 +43,7 @@ def test_non_embedding_count_leaves_out_embedding_and_untied_head():
 
 
 def test_gpt3_shapes_of_the_large_presets():
-    # GPT-3 XL and 2.7B shapes (Brown et al. 2020; XL with 16 heads of 128); the counts come from n_params.
+    # GPT-3 XL and 2.7B shapes (XL with 16 heads of 128); the counts come from n_params.
     xl, big = ModelConfig.from_preset("1.3b"), ModelConfig.from_preset("2.7b")
     assert (xl.n_layer, xl.d_model, xl.n_head) == (24, 2048, 16)
     assert (big.n_layer, big.d_model, big.n_head) == (32, 2560, 32)

@@ -21,10 +21,29 @@ def test_every_command_takes_no_progress(command, tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     assert "--no-progress" in capsys.readouterr().out
-    # The flag becomes TQDM_DISABLE, which tqdm reads in every package (and trainloop's loop), before the command runs.
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    main(["eval", "--run", str(tmp_path / "none"), "--text", "t", "--no-progress"])
-    assert os.environ["TQDM_DISABLE"] == "1"
+
+
+@pytest.mark.parametrize("fault", [None, "environ_not_restored"])
+@pytest.mark.parametrize("before", [None, "0"])
+def test_no_progress_sets_tqdm_disable_for_the_command_only(tmp_path, monkeypatch, before, fault):
+    # The flag becomes TQDM_DISABLE, which tqdm reads in every package (and trainloop's loop), while the command
+    # runs; after main() the environment is as it was, or a later caller in the process (a test of trainloop's
+    # progress bar) would find its bars disabled.
+    monkeypatch.setenv("TQDM_DISABLE", "placeholder")  # registers the variable's original state for teardown
+    if before is None:
+        monkeypatch.delenv("TQDM_DISABLE")
+    else:
+        monkeypatch.setenv("TQDM_DISABLE", before)
+    if fault == "environ_not_restored":
+        monkeypatch.setattr("lmtrain.cli.restore_environ", lambda found: None)
+    during = []
+    monkeypatch.setattr("lmtrain.evaluate.run_eval", lambda args: during.append(os.environ.get("TQDM_DISABLE")))
+    assert main(["eval", "--run", str(tmp_path / "none"), "--text", "t", "--no-progress"]) == 0
+    assert during == ["1"]
+    if fault is None:
+        assert os.environ.get("TQDM_DISABLE") == before
+    else:
+        assert os.environ.get("TQDM_DISABLE") == "1"  # the leak the equality above catches
 
 
 def test_preset_and_model_config_are_exclusive(capsys):

@@ -334,7 +334,7 @@ def _binary_configs(tmp, made, mp, stack):
 
 def _ds_top_level_typo(tmp, made, mp, stack):
     # The known keys are read off DeepSpeed's own parser: without the extra a --deepspeed run is refused earlier.
-    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed in this session")
+    pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     (tmp / "ds.json").write_text('{"trian_batch_size": 8, "zero_optimization": {"stage": 2}}')
     return {}
 

@@ -24,7 +24,8 @@ def test_window_plan_rejects_stride_above_context():
 
 
 class Bigram(torch.nn.Module):
-    """Logits depend only on the current token, so the sliding-window NLL must equal the full-sequence one."""
+    """Logits depend only on the current token, so the sliding-window NLL must equal the full-sequence one (which
+    checks the counting and masking, never the context: the test below does)."""
 
     def __init__(self, vocab: int):
         super().__init__()
@@ -46,6 +47,58 @@ def test_sliding_window_nll_matches_direct_sum():
         nll, n = sliding_window_nll(model, tokens, context, stride, batch_size=3)
         assert n == 56
         assert math.isclose(nll, float(direct), rel_tol=1e-5)
+
+
+def _context_model():
+    """lmcore's tiny GPT with weights far from init, so each logit depends strongly on the tokens before it (at
+    init the logits are near uniform and a window given the wrong context scores almost the same)."""
+    from lmcore import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_preset("tiny")).eval()
+    for p in model.parameters():
+        if p.ndim >= 2:
+            torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def _windowwise_nll(model, tokens, context, stride):
+    """One forward per window, batch 1: windows end every `stride` tokens after the first `context`, each sees the
+    `context` tokens up to its end and scores the targets after the previous window's end."""
+    n = tokens.numel() - 1
+    ends = [min(context, n)]
+    while ends[-1] < n:
+        ends.append(min(ends[-1] + stride, n))
+    total, prev = 0.0, 0
+    with torch.no_grad():
+        for end in ends:
+            start = max(0, end - context)
+            logits = model(tokens[None, start:end]).logits[0].double()  # (end - start, V)
+            nll = torch.nn.functional.cross_entropy(logits, tokens[start + 1 : end + 1], reduction="none")
+            total += float(nll[prev - start :].sum())
+            prev = end
+    return total, n
+
+
+@pytest.mark.parametrize("fault", [None, "windows_without_context"])
+def test_sliding_window_nll_gives_each_window_its_context(monkeypatch, fault):
+    if fault == "windows_without_context":  # every target still scored once, but from its window's first target on
+        real_plan = window_plan
+        monkeypatch.setattr(
+            "lmtrain.evaluate.window_plan", lambda n, c, s, offset=0: [(f, e, f) for _, e, f in real_plan(n, c, s)]
+        )
+    model = _context_model()
+    tokens = torch.randint(0, 97, (90,), generator=torch.Generator().manual_seed(1))
+    for context, stride, batch in ((16, 8, 3), (32, 5, 4), (12, 12, 2)):
+        expected, n = _windowwise_nll(model, tokens, context, stride)
+        nll, scored = sliding_window_nll(model, tokens, context, stride, batch_size=batch)
+        assert scored == n == 89
+        if fault is None:
+            assert math.isclose(nll, expected, rel_tol=1e-5), (context, stride, nll, expected)
+        elif stride < context:  # the wrong context moves the loss by over 10x the tolerance above
+            assert not math.isclose(nll, expected, rel_tol=1e-4), (context, stride, nll, expected)
+    if fault is not None:  # the bigram test above cannot see it: its logits ignore the context
+        test_sliding_window_nll_matches_direct_sum()
 
 
 def test_metrics_from_nll():

@@ -186,3 +186,20 @@ def test_missing_hf_extra_is_one_line_naming_it(run, tmp_path, capsys, monkeypat
     assert err == ["lmtrain export: error: lmtrain export needs transformers, which is not installed: "
                    "pip install 'lmtrain[hf]'"]  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("missing", ["google.protobuf", "google"])
+def test_hf_extra_without_protobuf_is_one_line_naming_it(run, tmp_path, capsys, monkeypatch, missing):
+    # transformers installed, protobuf (the extra's other half, which reads the SentencePiece model) not.
+    import sys
+
+    monkeypatch.delitem(sys.modules, "google.protobuf", raising=False)
+    monkeypatch.delitem(sys.modules, "sentencepiece.sentencepiece_model_pb2", raising=False)
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: import raises ModuleNotFoundError
+    capsys.readouterr()
+    assert export("--run", run, "--out", tmp_path / "out", "--format", "hf") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["lmtrain export: error: lmtrain export needs protobuf (to convert the tokenizer), which is not "
+                   "installed: pip install 'lmtrain[hf]' (or --no-tokenizer to export the model alone)"]  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    assert export("--run", run, "--out", tmp_path / "model", "--format", "hf", "--no-tokenizer") == 0

@@ -1,13 +1,28 @@
+import fnmatch
 import json
 
 import numpy as np
+import pytest
 import torch
 from tiny_model import SeqData, TinyLM
 
-from trainloop import TrainConfig, Trainer, calibrate
+from trainloop import ClipGroups, TrainConfig, Trainer, calibrate
 
 
-def test_calibrate_writes_percentile_thresholds_that_train_accepts(tmp_path):
+def _group_norms(model, thresholds):
+    """Per-pattern norms of the gradients now in the model (first matching pattern wins, as in clip_groups)."""
+    sq = dict.fromkeys(thresholds, 0.0)
+    for name, p in model.named_parameters():
+        group = next(pat for pat in thresholds if fnmatch.fnmatchcase(name, pat))
+        sq[group] += float(p.grad.double().pow(2).sum())
+    return {g: v**0.5 for g, v in sq.items()}
+
+
+@pytest.mark.parametrize("fault", [None, "thresholds_not_applied"])
+def test_calibrate_writes_percentile_thresholds_that_train_accepts(tmp_path, monkeypatch, fault):
+    if fault == "thresholds_not_applied":  # measured and logged, never applied: the clipping check must fail
+        real_clip = ClipGroups.clip
+        monkeypatch.setattr(ClipGroups, "clip", lambda self, named, **kw: real_clip(self, named, **kw, apply=False))
     torch.manual_seed(0)
     cfg = TrainConfig(lr=1e-2, max_steps=20, micro_batch=4, progress=False, tensorboard=False, log_every=5)
     out = tmp_path / "clip.json"
@@ -20,10 +35,28 @@ def test_calibrate_writes_percentile_thresholds_that_train_accepts(tmp_path):
         assert len(values) == 12 and len(set(values)) > 1  # different batches, different norms
         assert saved["thresholds"][group] == np.percentile(values, 90)
     assert result["thresholds"] == saved["thresholds"]
-    cfg2 = TrainConfig(max_steps=2, clip_groups=str(out), progress=False, tensorboard=False, log_every=1)
-    Trainer(TinyLM(), cfg2, SeqData(4), run_dir=tmp_path / "train").fit()
-    rec = json.loads((tmp_path / "train" / "metrics.jsonl").read_text().splitlines()[0])
-    assert {"grad_norm/embed.*", "grad_norm/o_proj.*", "grad_norm/*"} <= set(rec)
+    # Train with the file: the gradients the optimizer steps on are each group's, clipped to its threshold.
+    thresholds = saved["thresholds"]
+    cfg2 = TrainConfig(lr=1e-2, max_steps=12, clip_groups=str(out), progress=False, tensorboard=False, log_every=1)
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer = Trainer(model, cfg2, SeqData(4), run_dir=tmp_path / "train")
+    stepped = []
+    real_step = trainer.engine._step
+    trainer.engine._step = lambda: (stepped.append(_group_norms(model, thresholds)), real_step())
+    trainer.fit()
+    recs = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(stepped) == len(recs) == 12
+    over = [(r["step"], g) for r in recs for g in thresholds if r[f"grad_norm/{g}"] > thresholds[g] * 1.01]
+    assert over, "no step had a norm over its threshold: nothing here would show clipping"
+    excess = [(s, g, post[g] / thresholds[g]) for s, post in enumerate(stepped, 1) for g in thresholds
+              if post[g] > thresholds[g] * (1 + 1e-4)]  # fmt: skip
+    if fault is None:
+        assert not excess, excess
+        for step, g in over:  # clipped to the threshold itself, not below it
+            assert stepped[step - 1][g] == pytest.approx(thresholds[g], rel=1e-4)
+    else:
+        assert excess  # the check above catches thresholds that are loaded but not applied
 
 
 def test_gradient_inspector_tables_and_histograms(tmp_path):

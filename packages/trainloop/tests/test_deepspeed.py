@@ -70,8 +70,14 @@ def test_zero_stages_0_1_3_bf16_and_offload_config_two_ranks(tmp_path):
     cases.append({"stage": 2, "precision": "bf16", "inspect_steps": [2]})
     # The reference 1.3B recipe's config as is: 128 = micro_batch 16 x grad_accum 4 x 2 ranks; optimizer offloaded to
     # pinned CPU memory, overlap_comm, contiguous_gradients, an AdamW block (the loop builds the optimizer).
-    cases.append({"name": "offload", "stage": 2, "precision": "bf16", "ds_config": REFERENCE_DS_CONFIG,
-                  "grad_accum": 4, "global_batch": 128, "tied": True})  # fmt: skip
+    offload = {"stage": 2, "precision": "bf16", "ds_config": REFERENCE_DS_CONFIG, "grad_accum": 4,
+               "global_batch": 128, "tied": True}  # fmt: skip
+    on_device = json.loads(json.dumps(REFERENCE_DS_CONFIG))
+    del on_device["zero_optimization"]["offload_optimizer"]
+    cases.append({"name": "offload", **offload})
+    cases.append({"name": "offload_off", **offload, "ds_config": on_device})  # the same run, the optimizer not moved
+    # A broken twin: an offloaded step that changes nothing (learning rate 1e-12); the comparison below catches it.
+    cases.append({"name": "offload_no_step", **offload, "lr": 1e-12, "min_lr": 1e-12})
     out = tagged(run("ds_stages.py", {"run_dir": str(tmp_path), "steps": 4, "cases": cases}, nproc=2), "RESULTS")
     ref_loss = [r["loss"] for r in ref]
     ref_norm = [r["grad_norm"] for r in ref]
@@ -88,6 +94,11 @@ def test_zero_stages_0_1_3_bf16_and_offload_config_two_ranks(tmp_path):
 
     offload = out["offload"]
     assert len(offload["loss"]) == 4 and offload["loss"][-1] < offload["loss"][0]
+    # Offloading moves where AdamW runs, not what it computes: the losses of the same run without offload, within
+    # the bf16 tolerance above (on CPU both optimizers step on the host).
+    assert all(_close(a, b, 1e-2) for a, b in zip(offload["loss"], out["offload_off"]["loss"], strict=True)), out
+    frozen = out["offload_no_step"]["loss"]
+    assert not all(_close(a, b, 1e-2) for a, b in zip(frozen[1:], out["offload_off"]["loss"][1:], strict=True))
     assert any(
         "the loop builds torch AdamW (fused, on the host for offload_optimizer cpu)" in n for n in offload["notes"]
     )

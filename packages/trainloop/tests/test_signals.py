@@ -1,4 +1,5 @@
 """SIGTERM never costs the run: during the final evaluation, and to one rank of two, the ranks agree, save, exit 0.
+One Ctrl-C (SIGINT) does the same; a second one stops at once.
 
 Each case runs the real script in subprocesses (gloo on CPU for two ranks) and signals it once it is where the case
 needs it. The bounds on waiting are far above what the cases need (seconds) and far below what a stuck run would
@@ -12,6 +13,7 @@ import os
 import signal
 import time
 
+import pytest
 from launch import command
 from watch import Watched
 
@@ -82,3 +84,50 @@ def test_sigterm_to_one_rank_during_the_final_evaluation(tmp_path):
     assert summaries[0]["eval"] is None and summaries[1]["eval"] is None
     assert summaries[0]["step"] == summaries[1]["step"] == 3
     assert verify_checkpoint(CheckpointStore(tmp_path).step_dir(3), verify="full") is None
+
+
+def _sigint_once(tmp_path, fault):
+    """One Ctrl-C during the final evaluation: the evaluation stops, the step is saved, the run exits 0."""
+    args = {"run_dir": str(tmp_path), "max_steps": 4, "eval_sleep_s": 2.0, "eval_batches_n": 300}
+    run = _start(args | ({"fault": fault} if fault else {}))
+    run.wait_for("EVAL 0 4", start=True)
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(timeout=120)
+    assert code == 0, (code, run.output()[-4000:])
+    summary = _summaries(run)[0]
+    assert summary["step"] == 4 and summary["eval"] is None and summary["stopped"] == "SIGINT"
+    ckpt, skipped = CheckpointStore(tmp_path).find_resumable(verify="full")
+    assert ckpt is not None and ckpt.name == "step_00000004" and not skipped
+
+
+def _sigint_twice(tmp_path, fault):
+    """A second Ctrl-C stops at once: KeyboardInterrupt in the middle of an evaluation batch that has 10 s to go,
+    no summary and no checkpoint of the interrupted step."""
+    args = {"run_dir": str(tmp_path), "max_steps": 4, "eval_sleep_s": 10.0, "eval_batches_n": 300}
+    run = _start(args | ({"fault": fault} if fault else {}))
+    run.wait_for("EVAL 0 4", start=True)
+    run.proc.send_signal(signal.SIGINT)
+    run.wait_for("SIGNAL 0 SIGINT", start=True)  # handled: the next one is a second Ctrl-C, not the same one
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(timeout=120)
+    assert code == -signal.SIGINT, (code, run.output()[-4000:])  # how Python exits on KeyboardInterrupt
+    assert "KeyboardInterrupt" in run.output() and not _summaries(run)
+    assert not CheckpointStore(tmp_path).step_dir(4).exists()
+
+
+@pytest.mark.parametrize("fault", [None, "sigint_stops_at_once"])
+def test_sigint_once_saves_and_exits_zero(tmp_path, fault):
+    if fault is None:
+        _sigint_once(tmp_path, fault)
+    else:  # a first Ctrl-C that raised at once would lose the step: the check fails on it
+        with pytest.raises(AssertionError):
+            _sigint_once(tmp_path, fault)
+
+
+@pytest.mark.parametrize("fault", [None, "second_sigint_ignored"])
+def test_second_sigint_stops_at_once(tmp_path, fault):
+    if fault is None:
+        _sigint_twice(tmp_path, fault)
+    else:  # a second Ctrl-C taken as the first: the run finishes the batch, saves, exits 0; the check fails on it
+        with pytest.raises(AssertionError):
+            _sigint_twice(tmp_path, fault)

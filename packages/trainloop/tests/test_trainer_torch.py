@@ -1,3 +1,4 @@
+import contextlib
 import json
 import math
 import re
@@ -56,10 +57,10 @@ def test_loss_falls_and_summary(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def _run(run_dir, max_steps, resume, **kw):
+def _run(run_dir, max_steps, resume, dropout=0.0, **kw):
     torch.manual_seed(0)
     cfg = _cfg(max_steps=max_steps, t_max=12, save_every=3, keep_last=2, **kw)
-    return Trainer(TinyLM(), cfg, SeqData(4), run_dir=run_dir).fit(resume=resume)
+    return Trainer(TinyLM(dropout=dropout), cfg, SeqData(4), run_dir=run_dir).fit(resume=resume)
 
 
 def test_bit_exact_resume_fp32(tmp_path):
@@ -74,6 +75,24 @@ def test_bit_exact_resume_fp32(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     kept = sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir())
     assert kept == ["step_00000009", "step_00000012"]  # keep_last=2
+
+
+@pytest.mark.parametrize("fault", [None, "rng_not_restored"])
+def test_bit_exact_resume_with_dropout(tmp_path, monkeypatch, fault):
+    """Dropout 0.1 (what the budget planner turns on) draws from the RNG at every step, so only a resume that
+    restores the RNG states repeats the uninterrupted run; with the restore skipped the same check must fail."""
+    if fault == "rng_not_restored":
+        monkeypatch.setattr("trainloop.trainer.set_rng_state", lambda state: None)
+    _run(tmp_path / "a", 12, False, dropout=0.1)
+    _run(tmp_path / "b", 7, False, dropout=0.1)  # checkpoint at step 6, then steps 7 lost
+    _run(tmp_path / "b", 12, True, dropout=0.1)
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert [s for s, _ in b] == list(range(1, 13))
+    assert a[:6] == b[:6]
+    if fault is None:
+        assert a == b  # bit for bit, dropout masks included
+    else:
+        assert a[6:] != b[6:]  # other masks after the resume: the equality above is what catches a lost RNG
 
 
 def test_resume_skips_incomplete_checkpoint(tmp_path, capsys):
@@ -173,11 +192,25 @@ def test_bad_model_output_and_arguments(tmp_path):
         Trainer(TinyLM(), _cfg(), SeqData(4), run_dir=tmp_path, eval_data=eval_batches())
 
 
+@pytest.mark.parametrize("fault", [None, "autocast_off"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_torch_engine(tmp_path, precision):
+def test_mixed_precision_torch_engine(tmp_path, monkeypatch, precision, fault):
+    # The loss falling proves nothing about precision (fp32 training passes that too): the linear layers' outputs
+    # during the training steps must be in the precision asked for. With autocast switched off, that check fails.
+    if fault == "autocast_off":
+        monkeypatch.setattr("trainloop.engine_torch.autocast", lambda device, precision: contextlib.nullcontext())
     torch.manual_seed(0)
     cfg = _cfg(max_steps=8, precision=precision, scaler_init_scale=2.0**10, scaler_growth_factor=1.001)
-    out = Trainer(TinyLM(), cfg, SeqData(4), run_dir=tmp_path).fit()
+    model = TinyLM()
+    seen = set()
+    model.o_proj.register_forward_hook(lambda mod, args, out: seen.add(out.dtype) if mod.training else None)
+    out = Trainer(model, cfg, SeqData(4), run_dir=tmp_path).fit()
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if fault is not None:
+        assert seen == {torch.float32}  # what the dtype check below exists to catch
+        return
+    assert seen == {expected}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: fp32 master weights
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert out["total_skips"] == 0 and recs[-1]["loss"] < recs[0]["loss"]
     if precision == "fp16":

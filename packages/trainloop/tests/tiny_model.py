@@ -9,9 +9,10 @@ VOCAB = 32
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = 16, tied: bool = False) -> None:
+    def __init__(self, vocab: int = VOCAB, d: int = 16, tied: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
+        self.drop = nn.Dropout(dropout)  # draws from torch's CPU RNG at every training forward when > 0
         self.o_proj = nn.Linear(d, d)
         self.norm_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -23,7 +24,8 @@ class TinyLM(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(inputs)  # (B, T, d)
-        h = h + torch.tanh(self.o_proj(h))
+        mixed = torch.tanh(self.o_proj(h))
+        h = h + (self.drop(mixed) if self.drop.p > 0 else mixed)
         logits = self.head(self.norm_f(h))  # (B, T, V)
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 

@@ -227,7 +227,7 @@ def min_block_m(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
 
 def _dot_options(dtype: torch.dtype) -> dict:
     return {
-        # The interpreter's bf16 tl.dot is wrong (triton issue 11584): compute those dots in fp32 there.
+        # Under Triton 3.9's interpreter a bf16 tl.dot returns wrong values: compute those dots in fp32 there.
         "UPCAST": INTERPRETED and dtype == torch.bfloat16,
         "DOT_PRECISION": "ieee" if dtype in (torch.float32, torch.float64) else "tf32",
     }

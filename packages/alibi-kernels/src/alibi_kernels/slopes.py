@@ -1,4 +1,4 @@
-"""ALiBi head slopes by the rule of Press, Smith and Lewis (ICLR 2022, arXiv 2108.12409)."""
+"""ALiBi head slopes: fixed, one geometric sequence per head count."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _power_of_two_slopes(n: int) -> list[float]:
 def alibi_slopes_list(n_heads: int) -> list[float]:
     """The ALiBi slopes for `n_heads` heads as Python floats (double precision).
 
-    For a power of two n the slopes are 2^(-8h/n), h = 1..n. Otherwise the paper takes the slopes of the
+    For a power of two n the slopes are 2^(-8h/n), h = 1..n. Otherwise ALiBi takes the slopes of the
     nearest lower power of two c and appends every other slope of the 2c set: slopes(2c)[0::2][: n - c].
 
     Example:
@@ -34,9 +34,9 @@ def alibi_slopes_list(n_heads: int) -> list[float]:
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """ALiBi slopes for `n_heads` heads: a float32 tensor of shape (n_heads,), the paper's rule.
+    """ALiBi slopes for `n_heads` heads: a float32 tensor of shape (n_heads,), ALiBi's rule.
 
-    Non-powers of two follow the paper (slopes of the nearest lower power of two c, then every other slope of
+    Non-powers of two follow ALiBi's rule (slopes of the nearest lower power of two c, then every other slope of
     the 2c set), not an interpolation.
 
     Example:

@@ -164,7 +164,7 @@ class c_nvmlFieldValue_t(ctypes.Structure):
 
 # field id -> (simulated metric, the union member its value is written to by default)
 FIELDS = {186: ("power_instant", "uiVal"), 185: ("power_average", "uiVal"), 191: ("energy", "ullVal")}
-FIELDS[83] = FIELDS[191]  # nvml.h: NVML_FI_DEV_ENERGY is the same counter as NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+FIELDS[83] = FIELDS[191]  # NVML_FI_DEV_ENERGY is the same counter as NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
 VALUE_TYPES = {"dVal": 0, "uiVal": 1, "ulVal": 2, "ullVal": 3, "sllVal": 4, "siVal": 5, "usVal": 6}
 
 
@@ -311,7 +311,7 @@ class FakeNVML(types.ModuleType):
         return int(self._bucket(gpu, "energy") * gpu.refresh["energy"] * POWER_W * 1000)
 
     def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
-        # nvml.h: averaged over 1 s on Ampere other than GA100 and newer (cc 8.6 and up), instantaneous before
+        # The driver averages over 1 s on Ampere other than GA100 and newer (cc 8.6 and up), instantaneous before
         metric = "power_average" if self.gpus[handle].compute_capability >= (8, 6) else "power_instant"
         return self._wave(self._gpu(handle, metric), metric, 250_000, 10_000)
 

@@ -1,14 +1,15 @@
 """NVML field values: a tick's power and energy readings in one nvmlDeviceGetFieldValues call.
 
-nvml.h has field ids for instant power (186), power averaged over 1 s (185) and the energy counter (191, and the
-older 83, which nvml.h calls the same counter); it has none for memory used, the SM or memory clock, the GPU
+NVML has field ids for instant power (186), power averaged over 1 s (185) and the energy counter (191, and the
+older 83, the same counter under its former name); it has none for memory used, the SM or memory clock, the GPU
 temperature or the current clock-event bitmask, so those stay one call each.
 
 Where the driver lacks a field (a status of NOT_SUPPORTED or INVALID_ARGUMENT, or no field-values entry point at
 all), a stand-in is chosen once, at start, from one probe call per field:
 - energy: field 83 in the same call, else nvmlDeviceGetTotalEnergyConsumption (the same counter, in mJ);
-- nvml.h documents nvmlDeviceGetPowerUsage as the power averaged over 1 s on Ampere GPUs other than GA100 and on
-  newer ones (compute capability 8.6 and up), and as instantaneous power on GA100 and older: it stands in for the
+- nvmlDeviceGetPowerUsage returns the power averaged over 1 s on Ampere GPUs other than GA100 and on newer ones
+  (compute capability 8.6 and up), and instantaneous power on GA100 and older (NVML's stated behaviour, not yet
+  compared with the fields on a driver here): it stands in for the
   average on the former and for instant power on the latter, one call per tick.
 A column with no working source keeps its field: it fails once at the first tick and is dropped as unsupported.
 `sources` says where each column comes from; the backend puts it into the recording's header.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-# nvml.h's field ids; older bindings may lack the names
+# NVML's field ids; older bindings may lack the names
 POWER_AVERAGE, POWER_INSTANT, ENERGY, TOTAL_ENERGY_CONSUMPTION = 185, 186, 191, 83
 VALUE_ATTRS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}  # NVML_VALUE_TYPE_*
 MISSING_CODES = {"NVML_ERROR_NOT_SUPPORTED": 3, "NVML_ERROR_INVALID_ARGUMENT": 2, "NVML_ERROR_FUNCTION_NOT_FOUND": 13}

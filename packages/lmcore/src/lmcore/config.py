@@ -144,7 +144,7 @@ class ModelConfig:
         return cls(**values)
 
 
-# Named sizes. The GPT-3 paper's shapes (Brown et al. 2020, table 2.1) with a 32000-token SentencePiece vocabulary
+# Named sizes. GPT-3's shapes (125M .. 2.7B: layers, width, heads) with a 32000-token SentencePiece vocabulary
 # and a 1024-token training context, the reference 1.3B setup of docs/cluster-3090.md; 1.3b has 16 heads of 128.
 # The counts these give come from n_params(); see the README table, never state them from memory.
 PRESETS: dict[str, dict[str, Any]] = {

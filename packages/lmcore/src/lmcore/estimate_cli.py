@@ -39,7 +39,7 @@ def positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmcore-estimate",
-        description="Per-GPU training memory (ZeRO model-state accounting + Korthikanti et al. activations), in GiB.",
+        description="Per-GPU training memory (ZeRO model-state accounting + activations), in GiB.",
     )
     p.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model size")
     p.add_argument("--vocab-size", type=positive_int, default=None, help="override the preset's vocabulary size")

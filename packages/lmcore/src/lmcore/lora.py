@@ -1,4 +1,4 @@
-"""LoRA (Hu et al. 2021): low-rank adapters on chosen linear layers, merged back or saved on their own.
+"""LoRA: low-rank adapters on chosen linear layers, merged back or saved on their own.
 
 W x + (alpha / r) * B A dropout(x), with A (r, in) kaiming-uniform and B (out, r) zeros, so an adapted model
 computes exactly what the base model does until B is trained.

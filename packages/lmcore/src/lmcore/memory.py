@@ -1,4 +1,4 @@
-"""Training memory per GPU and per node: DeepSpeed's ZeRO model-state accounting plus Korthikanti et al.'s activations.
+"""Training memory per GPU and per node: DeepSpeed's ZeRO model-state accounting plus activations.
 
 Model states, for Psi parameters, mixed precision (bf16/fp16) Adam under DeepSpeed ZeRO stage 1 or 2 over N GPUs,
 as DeepSpeed 0.19's `estimate_zero2_model_states_mem_needs` counts them per GPU:
@@ -7,7 +7,7 @@ as DeepSpeed 0.19's `estimate_zero2_model_states_mem_needs` counts them per GPU:
   instead of their partition. Stage 3 partitions the 16-bit parameters too, counts one gradient partition (4 Psi / N)
   and adds the largest parameter gathered in 16-bit with its gradient (4 bytes per element), as
   `estimate_zero3_model_states_mem_needs` does. Stage 0 counts
-  the ZeRO paper's mixed-precision baseline, 2 + 2 + 12 bytes per parameter; fp32 training 4 + 4 + 8.
+  plain mixed-precision Adam, 2 + 2 + 12 bytes per parameter; fp32 training 4 + 4 + 8.
   With `offload_optimizer` the GPU keeps only the 16-bit parameters (2 Psi, or 2 Psi / N and the gathered largest
   parameter under stage 3); gradients leave the GPU as they are reduced.
 
@@ -22,8 +22,9 @@ DeepSpeed's estimator instead multiplies by an `additional_buffer_factor` of 1.5
 counts 4 Psi per GPU of the whole job (`max(4 * total_gpus, 16) * Psi`) where only the node's own processes use its
 memory; stated as such in `tests/test_memory.py`, which compares both.
 
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1
-without tensor/sequence parallelism), for s = seq_len, b = micro_batch, h = d_model, a = n_head, L layers, 16-bit:
+Activations of a GPT layer without tensor/sequence parallelism (the tensors autograd keeps: 34 s*b*h bytes for
+the projections, norms, GELU input and dropout masks; 5*a*s^2*b for the scores, their softmax and its dropout
+mask), for s = seq_len, b = micro_batch, h = d_model, a = n_head, L layers, 16-bit:
   materialised attention: L * s*b*h * (34 + 5*a*s/h) bytes (5as/h: the s^2 scores, softmax and dropout mask)
   fused attention:        L * (s*b*h*34 + 4*a*s*b)  bytes (the kernel keeps no scores, only an fp32 log-sum-exp
                                                      per query and head; alibi-kernels' Triton path)

@@ -159,7 +159,8 @@ class Attention(nn.Module):
 
     def _core(self, attend, *args: Tensor | int) -> Tensor:
         if self.checkpoint_core and self.training and torch.is_grad_enabled():
-            # Recompute only the attention core in backward (Korthikanti et al.'s "selective" recompute).
+            # Recompute only the attention core in backward: its s^2 scores are most of the activations at long
+            # context and the cheapest part of a layer to recompute.
             return checkpoint(attend, *args, use_reentrant=False)
         return attend(*args)
 

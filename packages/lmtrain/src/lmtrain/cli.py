@@ -282,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lmtrain` command; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    found = {name: os.environ.get(name) for name in SET_FOR_THE_COMMAND}
     try:
         return _run_command(args)
     except KeyboardInterrupt:
@@ -291,6 +292,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = kept if args.command == "train" else ""
         print(f"lmtrain {args.command}: interrupted (Ctrl-C): stopped at once{kept}", file=sys.stderr)
         return 130
+    finally:
+        restore_environ(found)
+
+
+# What _run_command sets in the environment for the command's own duration; main() leaves the rest as it found it.
+SET_FOR_THE_COMMAND = ("TQDM_DISABLE", "LOCAL_RANK")
+
+
+def restore_environ(found: dict[str, str | None]) -> None:
+    """Put back the variables ``found`` recorded (a name recorded as None is removed)."""
+    for name, value in found.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _run_command(args: argparse.Namespace) -> int:

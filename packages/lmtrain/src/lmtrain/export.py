@@ -19,6 +19,7 @@ nothing behind, and an existing non-empty DIR is replaced only with `--force`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import sys
@@ -48,6 +49,19 @@ def _import_hf(module: str) -> Any:
         raise LmtrainError(str(exc)) from None
 
 
+def _require_protobuf() -> None:
+    """The tokenizer's conversion reads the SentencePiece model with protobuf, which the hf extra brings."""
+    try:
+        importlib.import_module("google.protobuf")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("google", "google.protobuf"):
+            raise
+        raise LmtrainError(
+            "lmtrain export needs protobuf (to convert the tokenizer), which is not installed: "
+            "pip install 'lmtrain[hf]' (or --no-tokenizer to export the model alone)"
+        ) from None
+
+
 def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None = None) -> Any:
     """The SentencePiece model at `sp_model_path` as a transformers fast tokenizer (transformers' SpmConverter).
 
@@ -66,6 +80,7 @@ def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None 
         >>> work.cleanup()
     """
     transformers = _import_hf("transformers")
+    _require_protobuf()
     import sentencepiece as spm
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
@@ -197,6 +212,8 @@ def export_run(
     out = Path(out)
     _check_destination(out, force)
     _import_hf("transformers")
+    if tokenizer:
+        _require_protobuf()
     model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note)
     if lora is not None:
         from safetensors import SafetensorError

@@ -87,7 +87,79 @@ class _Sampler:
         """Restore state beyond the step counter (none for most samplers)."""
 
 
-class RandomWindows(_Sampler):
+class _RandomStream(_Sampler):
+    """Random rows drawn in chunks of 64 steps per generator: ``stream_width`` starts per step of the run that began
+    the stream (its ``batch_size x world_size``). A re-split to a global batch of another width continues that
+    stream at the first row not yet read (``base_row``, from step ``base_step``)."""
+
+    seed: int
+    batch_size: int
+    seq_len: int
+    stream_width: int
+    base_step: int
+    base_row: int
+    _chunk_index: int
+    _chunk: np.ndarray | None
+
+    def _start_stream(self) -> None:
+        self.stream_width, self.base_step, self.base_row = self.batch_size * self.world_size, 0, 0
+        self._chunk_index, self._chunk = -1, None
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "stream": [self.stream_width, self.base_step, self.base_row]}
+
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        """``shape`` window starts drawn from ``rng``."""
+        raise NotImplementedError
+
+    def _chunk_rows(self, chunk_index: int) -> np.ndarray:
+        """The stream's steps ``chunk_index * 64 ..`` as a (64, stream_width) array of window starts."""
+        if self._chunk is None or chunk_index != self._chunk_index:
+            rng = np.random.default_rng([self.seed, chunk_index])
+            self._chunk = self._draw(rng, (_CHUNK_STEPS, self.stream_width))
+            self._chunk_index = chunk_index
+        return self._chunk
+
+    def batch(self, step: int) -> tuple[np.ndarray, int]:
+        _check_step(step)
+        width = self.batch_size * self.world_size
+        if width == self.stream_width and self.base_row == self.base_step * width:  # the stream's own grid
+            chunk_index, row = divmod(step, _CHUNK_STEPS)
+            return self._chunk_rows(chunk_index)[row, self.rank :: self.world_size], self.seq_len
+        if step < self.base_step:
+            raise ValueError(f"step {step} comes before the re-split at step {self.base_step}")
+        first = self.base_row + (step - self.base_step) * width  # the stream's rows first .. first + width - 1
+        flat = np.arange(first, first + width)
+        per_chunk = _CHUNK_STEPS * self.stream_width
+        starts = np.empty(width, dtype=np.int64)
+        for chunk_index in np.unique(flat // per_chunk):
+            here = flat // per_chunk == chunk_index
+            starts[here] = self._chunk_rows(int(chunk_index)).reshape(-1)[flat[here] % per_chunk]
+        return starts[self.rank :: self.world_size], self.seq_len
+
+    def _position(self, state: dict) -> tuple[int, int, int]:
+        """(stream_width, base_step, base_row) of a saved state; a state without them began its own stream."""
+        if state.get("stream"):
+            width, base_step, base_row = (int(v) for v in state["stream"])
+            return width, base_step, base_row
+        return int(state.get("batch_size", self.batch_size)) * int(state.get("world_size", self.world_size)), 0, 0
+
+    def _restore(self, state: dict) -> None:
+        self.stream_width, self.base_step, self.base_row = self._position(state)
+        self._chunk_index, self._chunk = -1, None
+
+    def _reshard(self, state: dict) -> None:
+        """Continue the saved stream at its first unread row: the old ranks read ``step`` batches of their global
+        width; this world's wider or narrower global batches take the rows after those, so no window the run has
+        read comes back at this step (the stream stays the one an uninterrupted run draws)."""
+        width, base_step, base_row = self._position(state)
+        old_width = int(state.get("batch_size", self.batch_size)) * int(state["world_size"])
+        self.stream_width, self.base_step = width, self.step
+        self.base_row = base_row + (self.step - base_step) * old_width
+        self._chunk_index, self._chunk = -1, None
+
+
+class RandomWindows(_RandomStream):
     """Windows at uniformly random starts, with replacement; rank r of W takes rows r, r+W, ... of the global batch.
 
     Example:
@@ -110,22 +182,15 @@ class RandomWindows(_Sampler):
         self.n_tokens, self.seq_len, self.batch_size = n_tokens, seq_len, batch_size
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.step = 0
-        self._chunk_index = -1
-        self._chunk: np.ndarray | None = None
+        self._start_stream()
 
     def _config(self) -> dict:
         keys = ("n_tokens", "seq_len", "batch_size", "seed", "rank", "world_size")
         return {k: getattr(self, k) for k in keys}
 
-    def batch(self, step: int) -> tuple[np.ndarray, int]:
-        _check_step(step)
-        chunk_index, row = divmod(step, _CHUNK_STEPS)
-        if self._chunk is None or chunk_index != self._chunk_index:
-            rng = np.random.default_rng([self.seed, chunk_index])
-            high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
-            self._chunk = rng.integers(0, high, size=(_CHUNK_STEPS, self.batch_size * self.world_size))
-            self._chunk_index = chunk_index
-        return self._chunk[row, self.rank :: self.world_size], self.seq_len
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        high = self.n_tokens - self.seq_len  # exclusive: the last start still has seq_len + 1 tokens
+        return rng.integers(0, high, size=shape)
 
 
 class EpochWindows(_Sampler):
@@ -256,7 +321,7 @@ def blend_probabilities(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-class BlendWindows(_Sampler):
+class BlendWindows(_RandomStream):
     """Random windows over a blend of sources: each row draws its source by weight, then a start inside it.
 
     Source i holds positions ``[offset_i, offset_i + sizes[i])`` of the blend (offsets are the running sums of
@@ -301,23 +366,15 @@ class BlendWindows(_Sampler):
         self._offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         # exclusive upper bound of a start inside each source (1 for an unused source too short for a window)
         self._highs = np.maximum(np.asarray(self.sizes, dtype=np.int64) - seq_len, 1)
-        self._chunk_index = -1
-        self._chunk: np.ndarray | None = None
+        self._start_stream()
 
     def _config(self) -> dict:
         keys = ("sizes", "weights", "seq_len", "batch_size", "seed", "rank", "world_size")
         return {k: getattr(self, k) for k in keys}
 
-    def batch(self, step: int) -> tuple[np.ndarray, int]:
-        _check_step(step)
-        chunk_index, row = divmod(step, _CHUNK_STEPS)
-        if self._chunk is None or chunk_index != self._chunk_index:
-            rng = np.random.default_rng([self.seed, chunk_index])
-            shape = (_CHUNK_STEPS, self.batch_size * self.world_size)
-            source = rng.choice(len(self.sizes), size=shape, p=self._p)
-            self._chunk = self._offsets[source] + rng.integers(0, self._highs[source])
-            self._chunk_index = chunk_index
-        return self._chunk[row, self.rank :: self.world_size], self.seq_len
+    def _draw(self, rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+        source = rng.choice(len(self.sizes), size=shape, p=self._p)
+        return self._offsets[source] + rng.integers(0, self._highs[source])
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import torch
 from trainloop.checkpoint import open_new
 from trainloop.extras import MissingExtraError, import_extra
 
-# Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): NVIDIA's
-# datasheets for H200/H100 SXM (989.5) and A100 (312); the GA102 whitepaper for the RTX 3090 (71, fp32 accumulate).
+# Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): the
+# vendor's rated peaks (H200/H100 SXM 989.5, A100 312, RTX 3090 71 with fp32 accumulate), not measured here; an MFU
+# against a rated peak is an upper bound on what the step reaches. TrainConfig.peak_tflops overrides it.
 PEAK_TFLOPS = {"H200": 990.0, "H100": 990.0, "A100": 312.0, "RTX 3090": 71.0}
 
 

@@ -23,7 +23,8 @@ def main() -> None:
         clip = case.get("clip_groups", {"embed.*": 0.3, "*o_proj*": 0.05})
         accum = case.get("grad_accum", 1)
         micro = case.get("global_batch", 8) // world // accum
-        cfg = TrainConfig(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=args["steps"], micro_batch=micro,
+        lr, min_lr = case.get("lr", 1e-2), case.get("min_lr", 1e-4)
+        cfg = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=2, max_steps=args["steps"], micro_batch=micro,
                           grad_accum=accum, log_every=1, progress=False, tensorboard=False, engine="deepspeed",
                           precision=case["precision"], clip_groups=clip, save_every=args["steps"],
                           inspect_steps=case.get("inspect_steps", []))  # fmt: skip

@@ -1,11 +1,13 @@
 """Train TinyLM with a slow evaluation, for the signal tests; alone or under torchrun. Arguments are JSON overrides.
 
 Every rank prints ``PID <rank> <pid>`` first (the tests signal one rank), ``EVAL <rank> <step>`` when it starts
-an evaluation, and ``SUMMARY <rank> {...}`` at the end. ``eval_sleep_s`` is slept before each evaluation batch.
+an evaluation, ``SIGNAL <rank> <name>`` once the trainer's handler has run, and ``SUMMARY <rank> {...}`` at the end.
+``eval_sleep_s`` is slept before each evaluation batch.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
 
 from trainloop import TrainConfig, Trainer  # noqa: E402
+from trainloop.faults import StopSignals  # noqa: E402
+
+
+def _stop_at_once(self: StopSignals, signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _never_stop_at_once(self: StopSignals, signum: int, frame: object) -> None:
+    self.received = signal.Signals(signum).name
+
+
+# Broken signal handling (``"fault"`` in the arguments), for the tests to show that they catch it.
+FAULTS = {"sigint_stops_at_once": _stop_at_once, "second_sigint_ignored": _never_stop_at_once}
 
 
 def say(line: str) -> None:
@@ -29,6 +44,17 @@ def main() -> None:
     run_dir = args.pop("run_dir")
     eval_sleep_s = args.pop("eval_sleep_s", 0.0)
     n_eval = args.pop("eval_batches_n", 4)
+    handle = FAULTS[args.pop("fault")] if "fault" in args else StopSignals._handle
+
+    def announced(self: StopSignals, signum: int, frame: object) -> None:
+        # Announced after the handler ran, so a test sends a second signal only once the first has been handled
+        # (two signals that arrive before Python runs its handler are handled once).
+        try:
+            handle(self, signum, frame)
+        finally:
+            say(f"SIGNAL {rank} {signal.Signals(signum).name}")
+
+    StopSignals._handle = announced
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     say(f"PID {rank} {os.getpid()}")

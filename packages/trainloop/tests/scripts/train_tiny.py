@@ -22,6 +22,19 @@ def main() -> None:
     hook = args.pop("slow_save_at", None)
     args_hang = args.pop("hang_rank_at", None)
     args_nan = args.pop("nan_at", None)
+    fault = args.pop("fault", None)
+    if fault == "optimizer_state_dropped":  # a broken resume, for the tests to show that they catch it
+        import trainloop.engine_torch as et
+
+        real_load = et.TorchEngine.load
+
+        def load_without_optimizer(self, ckpt_dir, saved_world_size):
+            fresh = self.optimizer.state_dict()  # no moments yet
+            state = real_load(self, ckpt_dir, saved_world_size)
+            self.optimizer.load_state_dict(fresh)
+            return state
+
+        et.TorchEngine.load = load_without_optimizer
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
