@@ -33,9 +33,10 @@ PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
 TEST_EXTRAS = {
     "gpumon": ["plot"],
-    "lmcore": ["hf"],  # the Hugging Face export tests skip without transformers and peft
+    "lmcore": ["hf", "gguf"],  # the Hugging Face and GGUF export tests skip without transformers/peft and gguf
     "trainloop": ["deepspeed", "plot", "tensorboard"],
-    "lmtrain": ["hf"],
+    # harness: lm-eval and what it brings (datasets, scikit-learn, ...) install in about 30 s from a local index
+    "lmtrain": ["hf", "gguf", "harness"],
 }
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]

@@ -39,7 +39,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="fraction of the documents held out for validation, chosen by a hash of each document's text, when "
-        "--val-text is not given (default 0.1); plain text is then cut into documents at blank lines",
+        "--val-text is not given (default 0.1); plain text is then cut into documents after blank lines (every "
+        "byte kept)",
     )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--jsonl-field", metavar="FIELD", help="the corpus is JSONL: a document per line, text in FIELD")
