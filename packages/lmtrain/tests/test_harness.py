@@ -78,6 +78,27 @@ def test_harness_metrics_map_onto_lmtrain_eval(run, local_task, tmp_path, capsys
     assert math.log(ours["word_ppl"]) == pytest.approx(nll / ours["words"], rel=1e-9)
 
 
+def test_harness_hf_model_on_the_export_gives_the_same_bits_per_byte(run, local_task, tmp_path, capsys):
+    """lm-eval's own `hf` model on `export --format hf` (no custom code). Its tokenizer adds the document-start
+    token and the harness's rolling windows put it in front again: add_bos_token=False keeps one, as ours."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lmtrain.harness import task_manager
+
+    tasks, _ = local_task
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    lm = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", batch_size=4, add_bos_token=False)
+    context = json.loads((run / "run.json").read_text())["data_config"]["seq_len"]
+    assert lm.max_length == context and lm.prefix_token_id == json.loads((run / "run.json").read_text())["eos_id"]
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["lmtrain_text"], task_manager=task_manager(str(tasks)), bootstrap_iters=0, log_samples=False
+    )["results"]["lmtrain_text"]
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--text", str(tasks / "doc.txt"), "--stride", str(context), "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["bits_per_byte,none"] == pytest.approx(ours["bits_per_byte"], rel=1e-6)
+
+
 def test_loglikelihood_is_the_models_own(run):
     from lm_eval.api.instance import Instance
 
