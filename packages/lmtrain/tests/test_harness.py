@@ -122,7 +122,7 @@ def test_loglikelihood_is_the_models_own(run):
         assert greedy == bool((logits[-n:].argmax(-1) == target).all())
 
 
-@pytest.mark.parametrize("case", ["unknown task", "harness missing", "out exists", "no include dir"])
+@pytest.mark.parametrize("case", ["unknown task", "harness missing", "out exists", "no include dir", "--json"])
 def test_bad_input_is_one_line_and_writes_nothing(run, local_task, tmp_path, capsys, monkeypatch, case):
     tasks, _ = local_task
     out = tmp_path / "results"
@@ -135,6 +135,9 @@ def test_bad_input_is_one_line_and_writes_nothing(run, local_task, tmp_path, cap
     elif case == "out exists":
         out.mkdir()
         named = "exists; choose a new directory"
+    elif case == "--json":
+        argv.append("--json")
+        named = "--json applies to --text only"
     else:
         argv[6], named = str(tmp_path / "nowhere"), "not a directory of task YAML files"
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -205,6 +205,31 @@ def _output_dir(args: argparse.Namespace, checkpoint: Path | None, tasks: list[s
     return Path(args.run) / HARNESS_DIR / (name + (f"-limit{args.limit:g}" if args.limit is not None else ""))
 
 
+# Flags of `lmtrain eval` that belong to one mode only: (flag, attribute, value when not given).
+TASK_FLAGS = [
+    ("--limit", "limit", None),
+    ("--num-fewshot", "num_fewshot", None),
+    ("--include-path", "include_path", None),
+    ("--batch-size", "batch_size", None),
+    ("--bootstrap-iters", "bootstrap_iters", 100000),
+    ("--out", "out", None),
+]
+TEXT_FLAGS = [
+    ("--stride", "stride", None),
+    ("--json", "json", False),
+    ("--repeat", "repeat", 1),
+    ("--seeds", "seeds", None),
+]
+
+
+def check_mode_flags(args: argparse.Namespace) -> None:
+    """Refuse, in one line, a flag of the other mode (`--text` or `--tasks`) instead of ignoring it."""
+    tasks = getattr(args, "tasks", None) is not None
+    for flag, attribute, unset in TEXT_FLAGS if tasks else TASK_FLAGS:
+        if getattr(args, attribute, unset) != unset:
+            raise LmtrainError(f"{flag} applies to {'--text' if tasks else '--tasks'} only; drop it")
+
+
 def run_tasks(args: argparse.Namespace) -> int:
     """`lmtrain eval --tasks`: the harness's table on stdout; results.json and results.md in the output directory
     (written beside it and renamed into place: an existing one is refused, nothing is written on an error)."""
@@ -212,6 +237,7 @@ def run_tasks(args: argparse.Namespace) -> int:
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from trainloop.distributed import env_world
 
+    check_mode_flags(args)
     lm_eval = import_harness()
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks:
