@@ -12,12 +12,12 @@ toolkit's model (fp32, torch) score the same token windows of the held-out text 
 - tokens: llama.cpp's tokenizer on the GGUF vocabulary against the toolkit's ids (document-start token in front);
 - logits: the largest |difference| over every position and vocabulary entry, the largest |logit|, the share of
   positions whose argmax agrees;
-- token perplexity over the windows, each, and llama.cpp's seconds per window over torch's (a ratio measured in
-  this process, back to back; it moves with the load printed beside it).
+- token perplexity over the windows, each.
 
 With `--llama-cpp DIR` (a llama.cpp checkout, e.g. the one vendored in llama-cpp-python's sdist), its own
 `convert_hf_to_gguf.py` converts the `--format hf` export unchanged (its vendored gguf-py on PYTHONPATH); printed:
-whether it ran, whether its tensors equal ours, and the tokenizer keys where its file differs from ours.
+whether it ran, whether its tensors equal ours, the tokenizer keys where its file differs from ours, and whether
+llama.cpp tokenizes text on the converted file as on ours.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -103,6 +102,15 @@ def converter_check(llama_cpp: Path, hf_dir: Path, ours: Path, work: Path) -> di
     return {"converter": "ran unchanged", "tensors_equal": same, "keys_that_differ": keys, "file": str(out)}
 
 
+def tokens_of(path: Path, text: str) -> list[int]:
+    """llama.cpp's tokens of `text` with the file's own settings (BOS added when the file says so)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=64, n_threads=1, verbose=False, vocab_only=True)
+    return llm.tokenize(text.encode("utf-8"), add_bos=bool(llm.metadata.get("tokenizer.ggml.add_bos_token") == "true"),
+                        special=False)  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", default=None, help="a run directory (bias-free for the converter check)")
@@ -145,10 +153,8 @@ def main() -> int:
             export_run(run, files[outtype], fmt="gguf", checkpoint=str(checkpoint), gguf_type=outtype)
 
     results: dict = {"checkpoint": str(checkpoint), "windows": len(windows), "window_tokens": 2 * context}
-    t0 = time.perf_counter()
     with torch.no_grad():
         ours = [model(torch.tensor([w])).logits[0].float() for w in windows]
-    torch_s = time.perf_counter() - t0
     ours_nll = sum(nll_sum(lg, w) for lg, w in zip(ours, windows, strict=True))
     scored = sum(len(w) - 1 for w in windows)
     results["torch_token_ppl"] = math.exp(ours_nll / scored)
@@ -156,10 +162,8 @@ def main() -> int:
         llm = Llama(model_path=str(path), n_ctx=2 * context, n_batch=2 * context, n_ubatch=2 * context,
                     logits_all=True, n_threads=1, verbose=False)  # fmt: skip
         sample = text[:2000]
-        theirs_ids = llm.tokenize(sample.encode("utf-8"), add_bos=True, special=False)
-        t0 = time.perf_counter()
+        theirs_ids = tokens_of(path, sample)
         theirs = [llama_logits(llm, w) for w in windows]
-        llama_s = time.perf_counter() - t0
         diff = max(float((a - b).abs().max()) for a, b in zip(theirs, ours, strict=True))
         agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(theirs, ours, strict=True))
         nll = sum(nll_sum(lg, w) for lg, w in zip(theirs, windows, strict=True))
@@ -169,14 +173,20 @@ def main() -> int:
             "max_abs_logit": max(float(b.abs().max()) for b in ours),
             "argmax_agree": agree / sum(len(w) for w in windows),
             "token_ppl": math.exp(nll / scored),
-            "llama_over_torch_time": llama_s / torch_s,
         }
         del llm
     if args.llama_cpp:
         hf_dir = work / "hf"
         if not hf_dir.exists():
             export_run(run, hf_dir, fmt="hf", checkpoint=str(checkpoint))
-        results["llama_cpp_converter"] = converter_check(Path(args.llama_cpp), hf_dir, files["f32"], work)
+        check = converter_check(Path(args.llama_cpp), hf_dir, files["f32"], work)
+        if "file" in check:
+            sample = text[:2000]
+            converted = tokens_of(Path(check["file"]), sample)
+            check["converted_tokens_equal"] = converted == [eos] + encode(sp, sample)
+            check["converted_first_tokens"] = converted[:6]
+            check["lmtrain_first_tokens"] = ([eos] + encode(sp, sample))[:6]
+        results["llama_cpp_converter"] = check
     results["load_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     print(json.dumps(results, indent=2))
     return 0

@@ -141,3 +141,29 @@ def test_gguf_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if case == "exists":
         assert out.read_text() == "mine"
+
+
+def test_llama_cpp_runs_the_gguf_export_where_installed(run, tmp_path):
+    """Optional (llama-cpp-python is not in CI): llama.cpp's tokens and logits on the f32 file against ours.
+    Tolerance: llama.cpp computes MPT's GELU with the tanh approximation (from an fp16 table), ours is exact; the
+    benchmark measured 0.0074 on logits up to 11.4 for a trained cpu-small (docs/benchmarks.md)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import numpy as np
+
+    from lmtrain.run_files import load_tokenizer, load_trained_model
+    from lmtrain.text_codec import encode
+
+    path = tmp_path / "model.gguf"
+    assert main(["export", "--run", str(run), "--out", str(path), "--format", "gguf", "--outtype", "f32"]) == 0
+    model, run_json, _ = load_trained_model(run)
+    text = (run.parent / "input.txt").read_text(encoding="utf-8")[:3000]
+    ours = [run_json["eos_id"]] + encode(load_tokenizer(run), text)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, n_ubatch=128, logits_all=True,
+                          n_threads=1, verbose=False)  # fmt: skip
+    assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=False) == ours
+    window = ours[:96]  # three training contexts
+    llm.eval(window)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(window)], dtype=np.float32))
+    with torch.no_grad():
+        expected = model(torch.tensor([window])).logits[0]
+    torch.testing.assert_close(theirs, expected, rtol=0, atol=0.02)
