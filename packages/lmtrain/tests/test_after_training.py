@@ -115,13 +115,13 @@ def test_gguf_export_reads_back_with_gguf(run, tmp_path, outtype):
     assert get("general.file_type") == {"f32": 0, "f16": 1}[outtype]
 
 
-@pytest.mark.parametrize("case", ["cannot hold", "exists", "not .gguf", "gguf missing"])
+@pytest.mark.parametrize("case", ["cannot hold", "exists", "not .gguf", "gguf missing", "adapters unmerged"])
 def test_gguf_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys, monkeypatch, case):
     pytest.importorskip("gguf", reason="the gguf extra is not installed")
     from lmcore import GPT, ModelConfig
     from lmtrain.run_files import load_trained_model
 
-    source, out = run, tmp_path / "model.gguf"
+    source, out, extra = run, tmp_path / "model.gguf", []
     if case == "cannot hold":
         config = {**load_trained_model(run)[0].config.to_dict(), "activation": "swiglu", "d_ff": None}
         source = variant_run(run, tmp_path / "run", {4: GPT(ModelConfig.from_dict(config))}, best=4)
@@ -131,12 +131,17 @@ def test_gguf_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys, mo
         named = "exists; pass --force"
     elif case == "not .gguf":
         out, named = tmp_path / "model.bin", "name it NAME.gguf"
+    elif case == "adapters unmerged":
+        from lmcore import apply_lora, save_lora
+
+        extra = ["--lora", str(save_lora(apply_lora(load_trained_model(run)[0], r=2), tmp_path / "lora.safetensors"))]
+        named = "--format gguf takes no separate adapters: add --merge-lora"
     else:
         monkeypatch.setitem(sys.modules, "gguf", None)
         named = "needs gguf, which is not installed: pip install 'lmtrain[gguf]'"
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
-    assert main(["export", "--run", str(source), "--out", str(out), "--format", "gguf"]) == 2
+    assert main(["export", "--run", str(source), "--out", str(out), "--format", "gguf", *extra]) == 2
     assert named in one_line_error(capsys, "export")
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if case == "exists":

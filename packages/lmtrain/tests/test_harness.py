@@ -122,6 +122,24 @@ def test_loglikelihood_is_the_models_own(run):
         assert greedy == bool((logits[-n:].argmax(-1) == target).all())
 
 
+def test_generate_until_is_lmtrain_generate_greedy_cut_at_the_stop(run):
+    from lm_eval.api.instance import Instance
+
+    from lmtrain.harness import run_lm
+    from lmtrain.run_files import load_tokenizer, load_trained_model
+    from lmtrain.sample import generate_text
+
+    model, run_json, _ = load_trained_model(run)
+    lm = run_lm(model, load_tokenizer(run), eos_id=run_json["eos_id"], max_length=64)
+    for i, prompt in enumerate(["def main(", "import "]):
+        greedy = generate_text(str(run), prompt, max_new_tokens=12, temperature=0)[len(prompt) :]
+        stop = greedy[3:5]  # a stop string the continuation holds: the harness's text ends before it
+        request = Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 12}), i)
+        assert lm.generate_until([request]) == [greedy[: greedy.index(stop)]]
+        unstopped = Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 12}), i)
+        assert lm.generate_until([unstopped]) == [greedy]
+
+
 @pytest.mark.parametrize("case", ["unknown task", "harness missing", "out exists", "no include dir", "--json"])
 def test_bad_input_is_one_line_and_writes_nothing(run, local_task, tmp_path, capsys, monkeypatch, case):
     tasks, _ = local_task
