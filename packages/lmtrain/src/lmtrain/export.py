@@ -18,7 +18,7 @@ export itself runs up to `max_seq_len`, 4 contexts by default). The SentencePiec
 `tokenizer.model`, and the MPT config names its architecture `MPTForCausalLM` (the spelling of MosaicML's own
 configs, which llama.cpp's converter registers; transformers loads the directory by `model_type` either way).
 
-`--format gguf` writes one file for llama.cpp (lmcore.gguf_mpt through the `gguf` package): llama.cpp's MPT with
+`--format gguf` writes one file for llama.cpp (lmtrain.export_gguf, lmcore.gguf_mpt): llama.cpp's MPT with
 the SentencePiece vocabulary, the end-of-document id as BOS (added in front) and EOS, no space prefix.
 
 Everything is written into a temporary directory beside DIR and renamed into place at the end: a failure leaves
@@ -231,8 +231,10 @@ def export_run(
         raise LmtrainError(f"--outtype {gguf_type!r}: expected one of {', '.join(GGUF_TYPES)}")
     out = Path(out)
     if fmt == "gguf":
-        _check_file_destination(out, force)
-        _import_gguf()
+        from lmtrain.export_gguf import check_file_destination, import_gguf
+
+        check_file_destination(out, force)
+        import_gguf()
         if not tokenizer:
             raise LmtrainError("--format gguf holds the tokenizer: drop --no-tokenizer")
     else:
@@ -291,10 +293,11 @@ def export_run(
         tmp.mkdir(parents=True)
         if fmt == "gguf":
             from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
+            from lmtrain.export_gguf import write_run_gguf
 
             file = tmp / out.name
             context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
-            _write_gguf(model, sp, file, context=context, gguf_type=gguf_type, document_start=document_start)
+            write_run_gguf(model, sp, file, context=context, gguf_type=gguf_type, document_start=document_start)
             _follow_umask(tmp)
             os.replace(file, out)
             tmp.rmdir()
@@ -327,59 +330,6 @@ def _write_tokenizer(
     for f in check_dir.iterdir():
         os.replace(f, directory / f.name)
     check_dir.rmdir()
-
-
-def _import_gguf() -> Any:
-    from lmcore.extras import MissingExtraError, import_extra
-
-    try:
-        return import_extra("gguf", "gguf", "lmtrain export --format gguf", dist="lmtrain")
-    except MissingExtraError as exc:
-        raise LmtrainError(str(exc)) from None
-
-
-def _check_file_destination(out: Path, force: bool) -> None:
-    if out.suffix != ".gguf":
-        raise LmtrainError(f"--out {out}: --format gguf writes one file: name it NAME.gguf")
-    if out.is_dir():
-        raise LmtrainError(f"--out {out}: is a directory; name the file to write, e.g. {out / 'model.gguf'}")
-    if out.exists() and not force:
-        raise LmtrainError(f"--out {out}: exists; pass --force to replace it or choose another path")
-
-
-def gguf_vocab(sp: Any, document_start: int | None) -> Any:
-    """The run's SentencePiece model as an lmcore.gguf_mpt.GGUFVocab: every piece with its score and kind (the
-    SentencePiece piece types are llama.cpp's token types: 1 normal ... 6 byte; user-defined pieces such as "\\n"
-    are matched before the merges in both), the end-of-document id as EOS and, in front of every text, as BOS; no
-    space prefix (the tokenizer adds none)."""
-    from sentencepiece import sentencepiece_model_pb2 as pb2
-
-    from lmcore.gguf_mpt import GGUFVocab
-
-    proto = pb2.ModelProto()  # type: ignore[attr-defined]  # generated protobuf module
-    proto.ParseFromString(sp.serialized_model_proto())
-    return GGUFVocab(
-        tokens=[p.piece for p in proto.pieces],
-        scores=[float(p.score) for p in proto.pieces],
-        types=[int(p.type) for p in proto.pieces],
-        eos_id=sp.eos_id() if document_start is None else document_start,
-        bos_id=document_start,
-        unk_id=sp.unk_id() if sp.unk_id() >= 0 else None,
-        pad_id=sp.pad_id() if sp.pad_id() >= 0 else None,
-        add_bos=document_start is not None,
-        add_space_prefix=False,
-    )
-
-
-def _write_gguf(model: Any, sp: Any, file: Path, *, context: int, gguf_type: str, document_start: int | None) -> None:
-    from lmcore.gguf_mpt import write_gguf
-
-    if model.config.vocab_size != sp.get_piece_size():
-        raise LmtrainError(
-            f"--format gguf: the model's vocab_size {model.config.vocab_size} is not the tokenizer's "
-            f"{sp.get_piece_size()} pieces; GGUF needs one token per embedding row"
-        )
-    write_gguf(model, file, gguf_vocab(sp, document_start), context_length=context, dtype=gguf_type)
 
 
 def _follow_umask(directory: Path) -> None:
