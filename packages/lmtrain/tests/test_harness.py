@@ -140,7 +140,9 @@ def test_generate_until_is_lmtrain_generate_greedy_cut_at_the_stop(run):
         assert lm.generate_until([unstopped]) == [greedy]
 
 
-@pytest.mark.parametrize("case", ["unknown task", "harness missing", "out exists", "no include dir", "--json"])
+@pytest.mark.parametrize(
+    "case", ["unknown task", "harness missing", "out exists", "no include dir", "--json", "dataset unreachable"]
+)
 def test_bad_input_is_one_line_and_writes_nothing(run, local_task, tmp_path, capsys, monkeypatch, case):
     tasks, _ = local_task
     out = tmp_path / "results"
@@ -153,6 +155,15 @@ def test_bad_input_is_one_line_and_writes_nothing(run, local_task, tmp_path, cap
     elif case == "out exists":
         out.mkdir()
         named = "exists; choose a new directory"
+    elif case == "dataset unreachable":  # offline (the conftest sets HF_DATASETS_OFFLINE): not on the Hub, not cached
+        (tmp_path / "tasks").mkdir()
+        (tmp_path / "tasks" / "remote.yaml").write_text(
+            ROLLING_TASK.format(name="lmtrain_remote", data="x.jsonl").replace(
+                "dataset_path: json", "dataset_path: no-one/none"
+            )
+        )
+        argv[4], argv[6] = "lmtrain_remote", str(tmp_path / "tasks")
+        named = "a task's dataset could not be loaded"
     elif case == "--json":
         argv.append("--json")
         named = "--json applies to --text only"

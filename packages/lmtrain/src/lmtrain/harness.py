@@ -265,10 +265,16 @@ def run_tasks(args: argparse.Namespace) -> int:
     context = args.context if args.context is not None else int(run["data_config"]["seq_len"])
     lm = run_lm(model, load_tokenizer(args.run), eos_id, context, args.batch_size or 8)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
-        bootstrap_iters=args.bootstrap_iters, log_samples=False,
-    )  # fmt: skip
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
+            bootstrap_iters=args.bootstrap_iters, log_samples=False,
+        )  # fmt: skip
+    except ConnectionError as exc:  # what `datasets` raises for a dataset it can neither download nor find cached
+        raise LmtrainError(
+            f"--tasks {args.tasks}: a task's dataset could not be loaded ({exc}); run once where the Hugging Face "
+            "Hub is reachable (datasets caches it under HF_DATASETS_CACHE), or use local task files (--include-path)"
+        ) from None
     table = lm_eval.utils.make_table(results)
     if "groups" in results:
         table += "\n" + lm_eval.utils.make_table(results, "groups")
