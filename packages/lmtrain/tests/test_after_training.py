@@ -46,12 +46,13 @@ def one_line_error(capsys, command: str) -> str:
     return err[0]
 
 
-def test_pipeline_reproduces_lmtrain_generate(random_run, tmp_path):
+@pytest.mark.parametrize("fmt", ["hf", "hf-custom"])
+def test_pipeline_reproduces_lmtrain_generate(random_run, tmp_path, fmt):
     from lmtrain.sample import generate_text
 
     out = tmp_path / "hf"
-    assert main(["export", "--run", str(random_run), "--out", str(out), "--format", "hf"]) == 0
-    pipe = transformers.pipeline("text-generation", model=str(out))
+    assert main(["export", "--run", str(random_run), "--out", str(out), "--format", fmt]) == 0
+    pipe = transformers.pipeline("text-generation", model=str(out), trust_remote_code=fmt == "hf-custom")
     without_prefix = 0
     for prompt in PROMPTS:
         ours = generate_text(str(random_run), prompt, max_new_tokens=24, temperature=0)
