@@ -11,7 +11,7 @@ import pytest
 import sentencepiece as spm
 
 from tokbin import HashSplit, TokenFile, TokenFileError, clean_text, encode_files, encode_inputs, file_sha256
-from tokbin.documents import BLANK_LINE, crc32_combine
+from tokbin.documents import crc32_combine, split_documents
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def whole_text_ids(sp, paths, split_docs=False, clean=False):
     for p in paths:
         text = p.read_text(encoding="utf-8")
         text = clean_text(text) if clean else text
-        docs = [d for d in BLANK_LINE.split(text) if d.strip()] if split_docs else [text]
+        docs = split_documents(text) if split_docs else [text]
         for d in docs:
             out.extend(itertools.chain.from_iterable(sp.encode(d.splitlines(keepends=True))))
             out.append(sp.eos_id())
@@ -84,11 +84,27 @@ def test_split_docs_and_eos(tmp_path, lossless_model, sp):
     tf = encode_files(lossless_model, [src], tmp_path / "s.bin", split_docs=True, progress=False)
     assert tf.n_docs == 3
     texts = [sp.decode(tf.document(i)[:-1].tolist()) for i in range(3)]
-    assert texts == ["first doc\nstill first", "second", "third\n"]
+    assert texts == ["first doc\nstill first\n\n", "second\n \n\n\n", "third\n"]  # every byte kept
     assert all(tf.document(i)[-1] == sp.eos_id() for i in range(3))
     no_eos = encode_files(lossless_model, [src], tmp_path / "n.bin", split_docs=True, eos=False, progress=False)
     assert no_eos.eos_id is None and no_eos.n_tokens == tf.n_tokens - 3
     assert sp.eos_id() not in np.asarray(no_eos.tokens)
+
+
+def test_split_docs_keeps_every_byte(tmp_path, lossless_model, sp, wiki_text):
+    """Documents cut at blank lines, joined again, are the input: blank lines, the indentation after them and
+    whitespace at either end stay in the token stream (only the EOS between documents is added)."""
+    src = tmp_path / "docs.txt"
+    src.write_text("\n\n  lead\n\n\n = Heading = \n \n\tindented\r\n\r\nlast  \n\n  ", encoding="utf-8")
+    for path in (src, wiki_text):
+        for piece_bytes in (1 << 20, 300):
+            tf = encode_files(lossless_model, [path], tmp_path / "s.bin", split_docs=True, piece_bytes=piece_bytes,
+                              progress=False)  # fmt: skip
+            assert tf.n_docs > 1
+            texts = [sp.decode(tf.document(i)[:-1].tolist()) for i in range(tf.n_docs)]
+            assert "".join(texts) == path.read_bytes().decode("utf-8")  # \r\n too
+            assert all(t.strip() for t in texts)
+            (tmp_path / "s.bin").unlink()
 
 
 def test_clean_flag(tmp_path, lossless_model, sp):
@@ -157,7 +173,7 @@ def _jsonl(path, docs, extra_lines=()):
 
 
 def test_jsonl_documents_match_text_documents(tmp_path, lossless_model, wiki_text, sp):
-    docs = [d for d in BLANK_LINE.split(wiki_text.read_text(encoding="utf-8")) if d.strip()]
+    docs = [d for d in split_documents(wiki_text.read_text(encoding="utf-8")) if d.strip()]
     src = _jsonl(tmp_path / "docs.jsonl", docs)
     want = encode_files(lossless_model, [wiki_text], tmp_path / "t.bin", split_docs=True, progress=False)
     for piece_bytes, workers in [(1 << 20, 1), (2000, 2)]:
@@ -285,7 +301,7 @@ def test_parquet_rows_are_documents(tmp_path, lossless_model, wiki_text):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    docs = [d for d in BLANK_LINE.split(wiki_text.read_text(encoding="utf-8")) if d.strip()]
+    docs = [d for d in split_documents(wiki_text.read_text(encoding="utf-8")) if d.strip()]
     path = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=50)
     want = encode_files(lossless_model, [wiki_text], tmp_path / "t.bin", split_docs=True, progress=False)

@@ -39,7 +39,8 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="fraction of the documents held out for validation, chosen by a hash of each document's text, when "
-        "--val-text is not given (default 0.1); plain text is then cut into documents at blank lines",
+        "--val-text is not given (default 0.1); plain text is then cut into documents after blank lines (every "
+        "byte kept)",
     )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--jsonl-field", metavar="FIELD", help="the corpus is JSONL: a document per line, text in FIELD")
@@ -181,7 +182,23 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "ranks and the sums all-reduced: the same figures as one process.",
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
-    p.add_argument("--text", required=True, metavar="FILE", help="text file to evaluate")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", metavar="FILE", help="text file to evaluate")
+    what.add_argument(
+        "--tasks",
+        metavar="TASK,...",
+        help="lm-evaluation-harness tasks instead (e.g. hellaswag,arc_easy,lambada_openai,wikitext; needs the "
+        "harness extra); table and results.json in RUN_DIR/lm-eval/CHECKPOINT-TASKS or --out",
+    )
+    harness = p.add_argument_group("with --tasks")
+    harness.add_argument("--limit", type=float, default=None, help="documents per task (below 1: a fraction)")
+    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    harness.add_argument("--include-path", default=None, metavar="DIR", help="more task YAML files (local tasks)")
+    harness.add_argument("--batch-size", type=int, default=None, help="sequences per forward (default 8)")
+    harness.add_argument(
+        "--bootstrap-iters", type=int, default=100000, help="bootstrap resamples for standard errors (0: none)"
+    )
+    harness.add_argument("--out", default=None, metavar="DIR", help="results directory (must not exist)")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: context / 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -218,7 +235,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
-    p.add_argument("--format", required=True, metavar="hf|hf-custom", help="hf (MPT) or hf-custom (own code)")
+    p.add_argument(
+        "--format",
+        required=True,
+        metavar="hf|hf-custom|gguf",
+        help="hf (MPT), hf-custom (own code) or gguf (one file for llama.cpp; --out NAME.gguf; needs the gguf extra)",
+    )
+    p.add_argument("--outtype", default="f16", metavar="f16|f32", help="gguf: weights in f16 (default) or f32")
     _add_checkpoint_flags(p)
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument(
@@ -319,6 +342,8 @@ def _run_command(args: argparse.Namespace) -> int:
         from lmtrain.prepare_data import run_prepare as run
     elif args.command == "train":
         from lmtrain.train_run import run_train as run
+    elif args.command == "eval" and args.tasks is not None:
+        from lmtrain.harness import run_tasks as run
     elif args.command == "eval":
         from lmtrain.evaluate import run_eval as run
     elif args.command == "generate":

@@ -296,8 +296,10 @@ def run_eval(args: argparse.Namespace) -> int:
     """The `lmtrain eval` command (one process, or every rank of a torchrun job; rank 0 prints)."""
     import torch.distributed as dist
 
+    from lmtrain.harness import check_mode_flags
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
+    check_mode_flags(args)
     if args.repeat < 1:
         raise LmtrainError(f"--repeat must be >= 1, got {args.repeat}")
     for flag, value in (("--context", args.context), ("--stride", args.stride)):

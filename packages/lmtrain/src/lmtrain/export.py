@@ -11,6 +11,15 @@ The tokenizer is the run's SentencePiece model converted by transformers' own co
 before the directory is kept, the saved tokenizer is loaded back and must give exactly our ids on a check text
 (newlines, indentation, unicode, bytes outside the vocabulary, every piece of the vocabulary) and decode it back;
 otherwise the export is refused (SentencePiece unigram models can tie where the two libraries choose differently).
+The tokenizer puts the end-of-document id in front of every text (its `bos_token`), as training saw documents and
+`lmtrain generate` and `lmtrain eval` prompt the model, so `pipeline("text-generation")` gives `generate`'s
+greedy output; its `model_max_length` is the training context (what `lmtrain eval` scores windows of; the MPT
+export itself runs up to `max_seq_len`, 4 contexts by default). The SentencePiece model is copied beside it as
+`tokenizer.model`, and the MPT config names its architecture `MPTForCausalLM` (the spelling of MosaicML's own
+configs, which llama.cpp's converter registers; transformers loads the directory by `model_type` either way).
+
+`--format gguf` writes one file for llama.cpp (lmtrain.export_gguf, lmcore.gguf_mpt): llama.cpp's MPT with
+the SentencePiece vocabulary, the end-of-document id as BOS (added in front) and EOS, no space prefix.
 
 Everything is written into a temporary directory beside DIR and renamed into place at the end: a failure leaves
 nothing behind, and an existing non-empty DIR is replaced only with `--force`.
@@ -29,7 +38,10 @@ from typing import Any
 
 from lmtrain.errors import LmtrainError
 
-FORMATS = ("hf", "hf-custom")
+FORMATS = ("hf", "hf-custom", "gguf")
+GGUF_TYPES = ("f32", "f16")
+# How llama.cpp's converter recognises the architecture (transformers' class is MptForCausalLM).
+MPT_ARCHITECTURE = "MPTForCausalLM"
 ADAPTER_DIR = "adapter"
 # What the round-trip check encodes besides the vocabulary's own pieces.
 CHECK_TEXT = (
@@ -62,11 +74,14 @@ def _require_protobuf() -> None:
         ) from None
 
 
-def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None = None) -> Any:
+def hf_tokenizer(
+    sp_model_path: str | os.PathLike, model_max_length: int | None = None, document_start: int | None = None
+) -> Any:
     """The SentencePiece model at `sp_model_path` as a transformers fast tokenizer (transformers' SpmConverter).
 
     Special tokens are never matched inside text (`split_special_tokens`), as SentencePiece encodes "</s>" in
-    text as characters.
+    text as characters. With `document_start` (an id), that token is the tokenizer's `bos_token` and is put in
+    front of every text encoded with special tokens (the default of `tokenizer(text)`).
 
     Example (needs the hf extra; a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
@@ -99,10 +114,13 @@ def hf_tokenizer(sp_model_path: str | os.PathLike, model_max_length: int | None 
         for name, i in (("unk", sp.unk_id()), ("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()))
         if 0 <= i < sp.get_piece_size()
     }
+    if document_start is not None:
+        special["bos_token"] = sp.id_to_piece(document_start)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         split_special_tokens=True,
         model_max_length=model_max_length or int(1e30),
+        add_bos_token=document_start is not None,
         **special,
     )
 
@@ -121,12 +139,19 @@ def _first_difference(a: Any, b: Any) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def check_tokenizer(sp: Any, hf: Any, text: str, where: str) -> None:
-    """Raise LmtrainError unless `hf` gives `sp`'s ids on `text` (as `lmtrain` encodes it) and decodes them back."""
+def check_tokenizer(sp: Any, hf: Any, text: str, where: str, document_start: int | None = None) -> None:
+    """Raise LmtrainError unless `hf` gives `sp`'s ids on `text` (as `lmtrain` encodes it), with `document_start`
+    in front when special tokens are added, and decodes them back."""
     from lmtrain.text_codec import encode
 
     ours = encode(sp, text)
     theirs = hf(text, add_special_tokens=False, verbose=False)["input_ids"]  # no "longer than max length" note
+    prefix = [] if document_start is None else [document_start]
+    if hf(text[:200], verbose=False)["input_ids"] != prefix + encode(sp, text[:200]):
+        raise LmtrainError(
+            f"{where}: the converted tokenizer does not put the document-start id {document_start} in front; "
+            "export with --no-tokenizer"
+        )
     if ours != theirs:
         at = _first_difference(ours, theirs)
         raise LmtrainError(
@@ -151,6 +176,8 @@ def _check_destination(out: Path, force: bool) -> None:
 
 
 def _write_model(model: Any, tmp: Path, fmt: str, final: Path, *, max_seq_len: int | None, token_ids: dict) -> None:
+    import json
+
     from lmcore.lora import lora_modules
 
     if fmt == "hf-custom":
@@ -162,6 +189,10 @@ def _write_model(model: Any, tmp: Path, fmt: str, final: Path, *, max_seq_len: i
 
     hf = to_mpt(model, max_seq_len, **token_ids)
     hf.save_pretrained(tmp)
+    config_file = tmp / "config.json"  # save_pretrained writes the class name; llama.cpp looks for MosaicML's
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["architectures"] = [MPT_ARCHITECTURE]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if lora_modules(model):
         # The base is not in place yet: nothing for PEFT to compare embeddings against (they are never adapted).
         to_peft(model, hf, str(final.resolve())).save_pretrained(tmp / ADAPTER_DIR, save_embedding_layers=False)
@@ -179,9 +210,11 @@ def export_run(
     lora: str | os.PathLike | None = None,
     merge_lora: bool = False,
     tokenizer: bool = True,
+    gguf_type: str = "f16",
     on_note: Callable[[str], None] | None = None,
 ) -> Path:
-    """Export the run's `checkpoint` to `out` in `fmt` ("hf" or "hf-custom"); returns the checkpoint exported.
+    """Export the run's `checkpoint` to `out` in `fmt` ("hf", "hf-custom" or "gguf"); returns the checkpoint
+    exported. A gguf `out` is one file NAME.gguf, in `gguf_type` ("f16" or "f32"); the others are directories.
 
     `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
 
@@ -209,11 +242,21 @@ def export_run(
         raise LmtrainError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if max_seq_len is not None and max_seq_len < 1:
         raise LmtrainError(f"--max-seq-len must be >= 1, got {max_seq_len}")
+    if gguf_type not in GGUF_TYPES:
+        raise LmtrainError(f"--outtype {gguf_type!r}: expected one of {', '.join(GGUF_TYPES)}")
     out = Path(out)
-    _check_destination(out, force)
-    _import_hf("transformers")
-    if tokenizer:
-        _require_protobuf()
+    if fmt == "gguf":
+        from lmtrain.export_gguf import check_file_destination, import_gguf
+
+        check_file_destination(out, force)
+        import_gguf()
+        if not tokenizer:
+            raise LmtrainError("--format gguf holds the tokenizer: drop --no-tokenizer")
+    else:
+        _check_destination(out, force)
+        _import_hf("transformers")
+        if tokenizer:
+            _require_protobuf()
     model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note)
     if lora is not None:
         from safetensors import SafetensorError
@@ -231,8 +274,8 @@ def export_run(
     if lora_modules(model):
         if merge_lora:
             merge(model)
-        elif fmt == "hf-custom":
-            raise LmtrainError("--format hf-custom takes no separate adapters: add --merge-lora to fold them in")
+        elif fmt in ("hf-custom", "gguf"):
+            raise LmtrainError(f"--format {fmt} takes no separate adapters: add --merge-lora to fold them in")
         else:
             _import_hf("peft")
     if fmt == "hf":
@@ -244,10 +287,18 @@ def export_run(
                 f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
                 "export with --format hf-custom (loads with trust_remote_code=True)"
             )
+    if fmt == "gguf":
+        from lmcore.gguf_mpt import gguf_mismatches
+
+        bad = gguf_mismatches(model.config)
+        if bad:
+            raise LmtrainError(f"{path}: --format gguf: the model does not map onto llama.cpp's MPT ({'; '.join(bad)})")
     sp = load_tokenizer(run_dir) if tokenizer else None
-    token_ids = {"eos_token_id": run.get("eos_id")}
-    if sp is not None and sp.bos_id() >= 0:
-        token_ids["bos_token_id"] = sp.bos_id()
+    eos_id = run.get("eos_id")
+    # The end-of-document id opens every document in training, so it is the export's BOS too.
+    document_start = eos_id if isinstance(eos_id, int) and eos_id >= 0 else None
+    token_ids = {"eos_token_id": eos_id, "bos_token_id": document_start}
+    trained_context = int(run.get("data_config", {}).get("seq_len") or model.config.context_length)
 
     tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     created = []  # parent directories made for the export, removed again if it fails
@@ -257,11 +308,21 @@ def export_run(
         parent = parent.parent
     try:
         tmp.mkdir(parents=True)
-        if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
+        if fmt == "gguf":
             from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
+            from lmtrain.export_gguf import write_run_gguf
 
+            file = tmp / out.name
             context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
-            _write_tokenizer(sp, Path(run_dir) / TOKENIZER_FILE, tmp, None if fmt == "hf-custom" else context)
+            write_run_gguf(model, sp, file, context=context, gguf_type=gguf_type, document_start=document_start)
+            _follow_umask(tmp)
+            os.replace(file, out)
+            tmp.rmdir()
+            return path
+        if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
+            sp_path = Path(run_dir) / TOKENIZER_FILE
+            _write_tokenizer(sp, sp_path, tmp, trained_context, document_start)
+            shutil.copyfile(sp_path, tmp / TOKENIZER_FILE)  # what llama.cpp's converter reads the vocabulary from
         _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
         _follow_umask(tmp)
         _replace(tmp, out)
@@ -274,13 +335,15 @@ def export_run(
     return path
 
 
-def _write_tokenizer(sp: Any, sp_path: Path, directory: Path, model_max_length: int | None) -> None:
+def _write_tokenizer(
+    sp: Any, sp_path: Path, directory: Path, model_max_length: int | None, document_start: int | None
+) -> None:
     """Convert, save, load back with AutoTokenizer and check, in a subdirectory of its own (AutoTokenizer would
     otherwise read the model's config, which asks for remote code in a custom export); then move the files up."""
     check_dir = directory / ".tokenizer"
-    hf_tokenizer(sp_path, model_max_length).save_pretrained(check_dir)
+    hf_tokenizer(sp_path, model_max_length, document_start).save_pretrained(check_dir)
     reloaded = _import_hf("transformers").AutoTokenizer.from_pretrained(str(check_dir))
-    check_tokenizer(sp, reloaded, tokenizer_check_text(sp), str(sp_path))
+    check_tokenizer(sp, reloaded, tokenizer_check_text(sp), str(sp_path), document_start)
     for f in check_dir.iterdir():
         os.replace(f, directory / f.name)
     check_dir.rmdir()
@@ -318,8 +381,12 @@ def run_export(args: argparse.Namespace) -> int:
         lora=args.lora,
         merge_lora=args.merge_lora,
         tokenizer=not args.no_tokenizer,
+        gguf_type=args.outtype,
         on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
     )
+    if args.format == "gguf":
+        print(f"exported {checkpoint} to {args.out} (gguf {args.outtype}; llama.cpp's MPT)")
+        return 0
     load = "trust_remote_code=True" if args.format == "hf-custom" else "no custom code"
     print(f"exported {checkpoint} to {args.out} ({args.format}; AutoModelForCausalLM.from_pretrained, {load})")
     return 0

@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, metavar="N", help="encoding processes (default and most: all CPUs)"
     )
     e.add_argument("--no-eos", action="store_true", help="do not append EOS after each document")
-    e.add_argument("--split-docs", action="store_true", help="each blank-line-separated block is a document")
+    e.add_argument(
+        "--split-docs", action="store_true", help="each blank-line-separated block is a document (blank lines kept)"
+    )
     e.add_argument("--clean", action="store_true", help="strip HTML tags, citation marks, whitespace runs")
     e.add_argument("--errors", choices=ERRORS, default="strict", help="undecodable UTF-8 bytes (default: fail)")
     fmt = e.add_mutually_exclusive_group()

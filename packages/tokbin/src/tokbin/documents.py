@@ -22,7 +22,9 @@ from tokbin.errors import TokenFileError
 from tokbin.sources import Piece
 
 ERRORS = ("strict", "replace", "ignore")
-BLANK_LINE = re.compile(r"\n[ \t\r]*\n\s*")
+# A document of blank-line-separated text ends after a run of blank lines: the blank lines stay with it and the
+# next line's own indentation with the next document, so the documents joined are the text, byte for byte.
+DOCUMENT_END = re.compile(r"\n[ \t\r]*\n(?:[ \t\r]*\n)*")
 _KEY = struct.Struct("<IQ")
 
 
@@ -142,6 +144,34 @@ def _decode(piece: Piece, data: bytes, errors: str) -> str:
         ) from None
 
 
+def split_documents(text: str, last: bool = True) -> list[str]:
+    """The documents of blank-line-separated `text`; joined, they are `text` (every byte kept).
+
+    A document ends after a run of blank lines (which it keeps). Whitespace before the first document goes with
+    it, a whitespace-only tail with the last one; a text of whitespace only holds no document. With `last` False
+    the text goes on in the next piece: its final document is returned even when empty, to be continued.
+
+    Example:
+        >>> split_documents("first\\nstill first\\n\\n  second, indented\\n \\n\\nthird\\n")
+        ['first\\nstill first\\n\\n', '  second, indented\\n \\n\\n', 'third\\n']
+    """
+    docs, start, pending = [], 0, ""
+    for match in DOCUMENT_END.finditer(text):
+        doc = pending + text[start : match.end()]
+        start = match.end()
+        if doc.strip():
+            docs.append(doc)
+            pending = ""
+        else:  # blank lines at the start of the text: they open the first document
+            pending = doc
+    tail = pending + text[start:]
+    if tail.strip() or not last:
+        docs.append(tail)
+    elif tail and docs:
+        docs[-1] += tail
+    return docs
+
+
 def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int]:
     """(texts, closed, bad lines): the piece's documents in order; ``closed[i]`` says a document ends after text i.
 
@@ -156,12 +186,8 @@ def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int
             text = clean_text(text)
         if not opts.split_docs:
             return [text], [piece.last], 0
-        texts = BLANK_LINE.split(text)
-        closed = [True] * (len(texts) - 1) + [piece.last]
-        # whitespace-only documents are dropped; an open last text goes on in the next piece, which starts with
-        # a printable character, so its document is not whitespace-only
-        keep = [i for i, t in enumerate(texts) if not closed[i] or t.strip()]
-        return [texts[i] for i in keep], [closed[i] for i in keep], 0
+        texts = split_documents(text, piece.last)
+        return texts, [True] * (len(texts) - 1) + [piece.last], 0
     else:  # JSONL
         values = data.split(b"\n")
     texts, bad = [], 0
