@@ -34,9 +34,10 @@ class StepReport:
 class Engine(Protocol):
     """What the loop needs of an engine, in the order it asks each step: ``backward`` per micro-batch (gradients
     synchronised only when ``sync``), then one ``clip_and_step``. Implemented by ``TorchEngine`` (plain torch, DDP
-    under torchrun) and ``DeepSpeedEngine`` (ZeRO stages 0-3); :func:`make_engine` builds the one a config names."""
+    under torchrun), ``DeepSpeedEngine`` (ZeRO stages 0-3) and ``FSDPEngine`` (``fully_shard``); :func:`make_engine`
+    builds the one a config names."""
 
-    name: str  # "torch" or "deepspeed": recorded in each checkpoint, checked on resume
+    name: str  # "torch", "deepspeed" or "fsdp": recorded in each checkpoint, checked on resume
     module: torch.nn.Module  # the bare model (no DDP/DeepSpeed wrapper): evaluation, state dicts, FLOPs
 
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
@@ -160,6 +161,10 @@ def make_engine(
         from trainloop.engine_deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(model, config, device, ds_config, world_size)
+    if config.engine == "fsdp":
+        from trainloop.engine_fsdp import FSDPEngine
+
+        return FSDPEngine(model, config, device, world_size)
     from trainloop.engine_torch import TorchEngine
 
     return TorchEngine(model, config, device)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
+from tiny_model import BlocksLM, SeqData, TinyLM, eval_batches  # noqa: E402
 
 from trainloop import TrainConfig, Trainer  # noqa: E402
 
@@ -22,6 +22,8 @@ def main() -> None:
     hook = args.pop("slow_save_at", None)
     args_hang = args.pop("hang_rank_at", None)
     args_nan = args.pop("nan_at", None)
+    check_weights = args.pop("check_weights", False)
+    kind = args.pop("model", "tiny")  # "tiny", "blocks" or "blocks_ckpt" (activation checkpointing)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -47,7 +49,7 @@ def main() -> None:
         et.save_model_weights = slow
     hang = args_hang
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM() if kind == "tiny" else BlocksLM(checkpointing=kind == "blocks_ckpt")
     if hang is not None and rank == hang[0]:
         import time
 
@@ -80,6 +82,15 @@ def main() -> None:
     data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
     trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
     out = trainer.fit(resume=resume)
+    if check_weights:
+        # The final checkpoint's consolidated weights against the live (sharded) parameters, gathered whole.
+        from trainloop import load_model_weights
+
+        saved = load_model_weights(out["checkpoint"])
+        live = {n: getattr(p, "full_tensor", lambda p=p: p)().detach() for n, p in model.named_parameters()}
+        diff = max(float((saved[n] - t.float()).abs().max()) for n, t in live.items())
+        if rank == 0:
+            os.write(1, ("WEIGHTS " + json.dumps({"max_abs_diff": diff, "names": sorted(live)}) + "\n").encode())
     if rank == 0:
         os.write(
             1, ("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}) + "\n").encode()
