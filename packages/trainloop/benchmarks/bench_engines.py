@@ -1,7 +1,7 @@
 """The three engines on the same model, data and steps, 2 gloo ranks on CPU: DDP (engine="torch"), DeepSpeed ZeRO-2
 and FSDP (fully_shard): median step time as a ratio to DDP, peak RSS per rank, checkpoint save and load time.
 
-    DS_ACCELERATOR=cpu python benchmarks/bench_engines.py [--models cpu-small,25m] [--steps 12] [--engines ...]
+    DS_ACCELERATOR=cpu python benchmarks/bench_engines.py [--models cpu-small,26m] [--steps 12] [--engines ...]
 
 Models are lmcore GPTs (this benchmark needs lmcore installed; trainloop itself never imports it): the cpu-small
 preset (1.06M parameters) and a 26M one (7 layers, width 512, vocabulary 8192). fp32, micro batch 4 x 128 tokens
@@ -34,7 +34,7 @@ SEQ, MICRO = 128, 4
 def model_config(name: str):
     from lmcore import ModelConfig
 
-    if name == "25m":
+    if name == "26m":
         return ModelConfig(vocab_size=8192, n_layer=7, n_head=8, d_model=512, context_length=SEQ)
     return ModelConfig.from_preset(name)
 
@@ -110,7 +110,7 @@ def loadavg() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="cpu-small,25m")
+    parser.add_argument("--models", default="cpu-small,26m")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--worker", action="store_true")
