@@ -160,3 +160,11 @@ def test_sigterm_to_one_fsdp_rank_stops_both_with_a_checkpoint(tmp_path):
     ckpt = CheckpointStore(tmp_path).step_dir(summaries[0]["step"])
     assert verify_checkpoint(ckpt, verify="full") is None
     assert (ckpt / "dcp" / "__0_0.distcp").is_file() and (ckpt / "dcp" / "__1_0.distcp").is_file()
+
+
+def test_fsdp_evaluates_when_ranks_hold_different_numbers_of_batches(tmp_path):
+    # Rank 0 has 3 evaluation batches, rank 1 one: a forward is a collective (each block is all-gathered), so rank 1
+    # repeats its forward, uncounted, until rank 0 is done. A mismatch would fail within the collective timeout.
+    out = run("train_tiny.py", {"engine": "fsdp", "model": "blocks", "max_steps": 2, "uneven_eval": True,
+                                "dist_timeout_s": 60, "run_dir": str(tmp_path)}, nproc=2, timeout=200)  # fmt: skip
+    assert tagged(out, "SUMMARY")["eval"]["tokens"] == (3 + 1) * 4 * 8  # batches x rows x tokens: none twice
