@@ -94,9 +94,7 @@ def main() -> None:
         if rank == 0:
             os.write(1, ("WEIGHTS " + json.dumps({"max_abs_diff": diff, "names": sorted(live)}) + "\n").encode())
     if rank == 0:
-        os.write(
-            1, ("SUMMARY " + json.dumps(out) + "\n").encode()
-        )  # one write: ranks share stdout
+        os.write(1, ("SUMMARY " + json.dumps(out) + "\n").encode())  # one write: ranks share stdout
 
 
 if __name__ == "__main__":
