@@ -139,7 +139,8 @@ def make_engine(
     ds_config: dict[str, Any] | str | Path | None = None,
 ) -> Engine:
     """The engine ``config.engine`` names, on this rank's device, after setting up the process group (gloo on CPU,
-    nccl on CUDA; DeepSpeed's communication layer for ``engine="deepspeed"``, even alone).
+    nccl on CUDA; DeepSpeed's communication layer for ``engine="deepspeed"``, even alone; a one-rank group for
+    ``engine="fsdp"`` alone, since ``fully_shard`` needs one).
 
     ``ds_config`` (``engine="deepspeed"`` only) is a DeepSpeed JSON config (a dict or a file): it is resolved once
     against ``config`` (:func:`trainloop.build_ds_config`) and that dict is what ``deepspeed.initialize`` gets; a
