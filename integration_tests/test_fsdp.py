@@ -61,3 +61,14 @@ def test_lmtrain_train_engine_fsdp_under_torchrun(prepared, texts, tmp_path):
     assert error and "written by engine 'fsdp'" in error[0] and "--engine fsdp" in error[0], refused.stderr[-2000:]
     assert "Traceback" not in refused.stderr
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*"))[-1] == "step_00000008"
+
+
+def test_lmtrain_fsdp_expecting_ranks_without_a_launcher_is_one_line(prepared, tmp_path):
+    run = tmp_path / "run"
+    result = run_lmtrain("train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--engine", "fsdp",
+                         "--max-steps", "2", check=False, WORLD_SIZE="2")  # fmt: skip
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("lmtrain train: error:")]
+    assert "WORLD_SIZE=2 but RANK, MASTER_ADDR, MASTER_PORT not set" in line and "torchrun --nproc_per_node 2" in line
+    assert not list(run.glob("checkpoints/step_*"))
