@@ -268,6 +268,9 @@ def test_fsdp_estimate_shards_the_model_states_and_counts_the_blocks_in_flight()
     assert sixteen.parameters == 4 * psi // 16 + 2 * (2 * block + root)  # two bf16 blocks and the root gathered
     accum = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, gradient_accumulation_steps=4)
     assert accum.gradients - sixteen.gradients == 4 * psi  # unsharded fp32 gradients kept between syncs
+    every = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, gradient_accumulation_steps=4,
+                                 sync_every_micro_batch=True)  # fmt: skip
+    assert every.gradients == sixteen.gradients
     offload = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, cpu_offload=True)
     assert offload.optimizer_states == 0 and offload.host_offload == 16 * psi // 16
     with pytest.raises(ValueError, match="fp16 needs a sharded loss scaler"):

@@ -77,6 +77,18 @@ def test_fsdp_matches_the_single_process_torch_engine(reference, tmp_path):
 
 
 @pytest.mark.slow
+def test_fsdp_reduce_scatter_on_every_micro_batch_matches_too(reference, tmp_path):
+    ref_dir, _ = reference
+    every = tmp_path / "every"
+    run("train_tiny.py", {**BASE, "engine": "fsdp", "max_steps": 10, "t_max": STEPS, "fsdp_sync_every_micro": True,
+                          "run_dir": str(every)}, nproc=2)  # fmt: skip
+    got, ref = _losses(every), _losses(ref_dir)
+    worst = max(abs(got[s] - ref[s]) / abs(ref[s]) for s in range(1, 11))
+    print(f"worst relative loss difference {worst:.2e}")
+    assert worst <= RTOL, worst
+
+
+@pytest.mark.slow
 def test_fsdp_resume_on_the_same_ranks_is_bit_exact(reference, tmp_path):
     ref_dir, _ = reference
     resumed = _resume_copy(ref_dir, tmp_path / "resumed")

@@ -53,6 +53,7 @@ def test_a_model_without_blocks_is_refused_naming_the_fix():
         ({"engine": "fsdp", "precision": "fp16"}, "TrainConfig.precision='fp16' is invalid"),
         ({"engine": "torch", "fsdp_cpu_offload": True}, "applies to engine='fsdp' only"),
         ({"engine": "deepspeed", "fsdp_checkpoint": "full"}, "applies to engine='fsdp' only"),
+        ({"engine": "torch", "fsdp_sync_every_micro": True}, "applies to engine='fsdp' only"),
         ({"engine": "fsdp", "fsdp_checkpoint": "zip"}, "allowed values are sharded, full"),
         ({"engine": "fsdp", "fsdp_units": []}, "non-empty list of module class names"),
     ],

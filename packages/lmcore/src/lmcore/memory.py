@@ -38,7 +38,8 @@ parameters of two blocks in the compute dtype (the one computing and the one pre
 fp32), the root's unsharded parameters (embeddings and final norm, kept gathered between forward and backward), and
 in the backward one block's unsharded gradient in the compute dtype plus its fp32 copy for the reduce-scatter.
 Accumulation without gradient sync (grad_accum > 1) keeps every block's unsharded gradient in fp32 until the step
-that syncs: 4 Psi more, not divided by N (FSDP2's `unsharded_accumulated_grad`). CPU offload moves the sharded
+that syncs: 4 Psi more, not divided by N (FSDP2's `unsharded_accumulated_grad`), unless the gradients are
+reduce-scattered on every micro-batch. CPU offload moves the sharded
 parameters, gradients and optimizer states to the host (16 Psi / N per process); only what is in flight stays.
 
 Not counted: the CUDA context (about 0.3-1 GiB), allocator fragmentation, DeepSpeed's communication buckets
@@ -144,11 +145,13 @@ def estimate_fsdp_memory(
     activation_checkpointing: str | None = None,
     fused_attention: bool = True,
     gradient_accumulation_steps: int = 1,
+    sync_every_micro_batch: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU training memory of `config` under FSDP (`fully_shard` per block and on the root) over `world_size`
     GPUs; the accounting is in the module docstring. `parameters` holds the sharded fp32 weights and what is in
     flight unsharded, `gradients` the sharded fp32 gradients, one block's unsharded gradient and, with accumulation,
-    the unsharded fp32 gradients kept between syncs.
+    the unsharded fp32 gradients kept between syncs (none with `sync_every_micro_batch`, trainloop's
+    `fsdp_sync_every_micro`: the gradients are reduce-scattered on every micro-batch instead).
 
     Example:
         >>> est = estimate_fsdp_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", world_size=16,
@@ -175,7 +178,7 @@ def estimate_fsdp_memory(
     sharded_params, sharded_grads, adam = 4 * psi // n, 4 * psi // n, 8 * psi // n
     in_flight = compute * (2 * block + root)
     grad_in_flight = compute * block + (4 * block if precision == "bf16" else 0)
-    accumulated = 4 * psi if gradient_accumulation_steps > 1 else 0
+    accumulated = 4 * psi if gradient_accumulation_steps > 1 and not sync_every_micro_batch else 0
     host_offload = 0
     if cpu_offload:
         host_offload = sharded_params + sharded_grads + adam

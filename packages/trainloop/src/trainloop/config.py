@@ -88,6 +88,9 @@ class TrainConfig:
     fsdp_units: list[str] | None = None
     fsdp_cpu_offload: bool = False
     fsdp_checkpoint: FSDPCheckpoint = "sharded"
+    # Reduce-scatter the gradients on every micro-batch instead of only the last: grad_accum times the gradient
+    # traffic, but no unsharded fp32 gradients kept between micro-batches (4 bytes per parameter on every rank).
+    fsdp_sync_every_micro: bool = False
     max_consecutive_skips: int = 5
     detect_anomaly: bool = False
     dist_timeout_s: float = 600.0
@@ -190,10 +193,13 @@ class TrainConfig:
              "must be None (found from the model) or a non-empty list of module class names")  # fmt: skip
         self.fsdp_units = None if units is None else list(units)
         need(isinstance(self.fsdp_cpu_offload, bool), "fsdp_cpu_offload", "must be true or false")
+        need(isinstance(self.fsdp_sync_every_micro, bool), "fsdp_sync_every_micro", "must be true or false")
         need(self.fsdp_checkpoint in FSDP_CHECKPOINTS, "fsdp_checkpoint",
              f"allowed values are {', '.join(FSDP_CHECKPOINTS)}")  # fmt: skip
         fsdp = self.engine == "fsdp"
-        for name, default in (("fsdp_units", None), ("fsdp_cpu_offload", False), ("fsdp_checkpoint", "sharded")):
+        defaults = {"fsdp_units": None, "fsdp_cpu_offload": False, "fsdp_checkpoint": "sharded",
+                    "fsdp_sync_every_micro": False}  # fmt: skip
+        for name, default in defaults.items():
             need(fsdp or getattr(self, name) == default, name,
                  f"applies to engine='fsdp' only (engine={self.engine!r}); drop it or set engine='fsdp'")  # fmt: skip
         need(not (fsdp and self.precision == "fp16"), "precision",

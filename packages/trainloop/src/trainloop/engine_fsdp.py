@@ -110,8 +110,9 @@ class FSDPEngine(SteppingEngine):
 
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; the gradients are reduce-scattered only when ``sync`` (before
-        that each rank accumulates its own unsharded gradients)."""
-        self.module.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        that each rank accumulates its own unsharded gradients), or on every micro-batch with
+        ``fsdp_sync_every_micro``."""
+        self.module.set_requires_gradient_sync(sync or self.config.fsdp_sync_every_micro)  # type: ignore[operator]
         loss = loss_of(self.module(inputs, targets))
         (loss / n_micro if n_micro > 1 else loss).backward()
         return loss.detach().float()
