@@ -180,3 +180,9 @@ def test_fsdp_evaluates_when_ranks_hold_different_numbers_of_batches(tmp_path):
     out = run("train_tiny.py", {"engine": "fsdp", "model": "blocks", "max_steps": 2, "uneven_eval": True,
                                 "dist_timeout_s": 60, "run_dir": str(tmp_path)}, nproc=2, timeout=200)  # fmt: skip
     assert tagged(out, "SUMMARY")["eval"]["tokens"] == (3 + 1) * 4 * 8  # batches x rows x tokens: none twice
+
+
+def test_fsdp_holds_no_sharded_gradient_until_the_step_unless_syncing_every_micro_batch():
+    got = tagged(run("fsdp_sync.py", {}, nproc=2), "SYNC")
+    # Without sync each rank keeps the unsharded gradients itself; with it they are reduce-scattered at once.
+    assert got == {"False": 0, "True": got["params"], "params": got["params"]} and got["params"] > 0
