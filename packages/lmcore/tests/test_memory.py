@@ -248,3 +248,30 @@ def test_cli_reports_the_training_flops_per_token(capsys):
     expected = flops_per_token(XL, 2048)
     assert f"training FLOPs per token at 2048 tokens: {expected:.4g}" in capsys.readouterr().out
     assert expected == 6 * n_params(XL) + 12 * 24 * 16 * 128 * 2048
+
+
+def test_fsdp_estimate_shards_the_model_states_and_counts_the_blocks_in_flight():
+    from lmcore import GPT
+    from lmcore.memory import block_parameters, estimate_fsdp_memory
+
+    cfg = ModelConfig.from_preset("tiny")
+    model = GPT(cfg)
+    block, root = block_parameters(cfg)
+    assert block == sum(p.numel() for p in model.layers[0].parameters())
+    assert root == sum(p.numel() for p in model.parameters()) - cfg.n_layer * block
+    big = ModelConfig.from_preset("1.3b")
+    psi = n_params(big)
+    one, sixteen = (estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=n) for n in (1, 16))
+    # fp32 weights, fp32 gradients and Adam's two moments, 16 bytes per parameter, split over the ranks
+    assert one.optimizer_states == 8 * psi and sixteen.optimizer_states == 8 * psi // 16
+    block, root = block_parameters(big)
+    assert sixteen.parameters == 4 * psi // 16 + 2 * (2 * block + root)  # two bf16 blocks and the root gathered
+    accum = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, gradient_accumulation_steps=4)
+    assert accum.gradients - sixteen.gradients == 4 * psi  # unsharded fp32 gradients kept between syncs
+    every = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, gradient_accumulation_steps=4,
+                                 sync_every_micro_batch=True)  # fmt: skip
+    assert every.gradients == sixteen.gradients
+    offload = estimate_fsdp_memory(big, 2, 1024, "bf16", world_size=16, cpu_offload=True)
+    assert offload.optimizer_states == 0 and offload.host_offload == 16 * psi // 16
+    with pytest.raises(ValueError, match="fp16 needs a sharded loss scaler"):
+        estimate_fsdp_memory(big, 2, 1024, "fp16")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB = 32
@@ -26,6 +27,40 @@ class TinyLM(nn.Module):
         h = self.embed(inputs)  # (B, T, d)
         mixed = torch.tanh(self.o_proj(h))
         h = h + (self.drop(mixed) if self.drop.p > 0 else mixed)
+        logits = self.head(self.norm_f(h))  # (B, T, V)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.o_proj = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.o_proj(self.norm(h)))  # (B, T, d)
+
+
+class BlocksLM(nn.Module):
+    """TinyLM with a stack of blocks in an nn.ModuleList (what a sharded engine shards one by one), tied embeddings.
+    ``checkpointing`` recomputes each block's activations in the backward."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = 16, n_blocks: int = 3, checkpointing: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n_blocks)])
+        self.norm_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.checkpointing = checkpointing
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(inputs)  # (B, T, d)
+        for block in self.blocks:
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
         logits = self.head(self.norm_f(h))  # (B, T, V)
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 

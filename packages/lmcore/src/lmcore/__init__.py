@@ -17,7 +17,7 @@ from lmcore.init_schemes import (
     initialize,
 )
 from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
-from lmcore.memory import MemoryEstimate, estimate_memory
+from lmcore.memory import MemoryEstimate, estimate_fsdp_memory, estimate_memory
 from lmcore.model import GPT, KVCache, LMOutput, check_token_ids
 from lmcore.step_timing import StepTiming, choose_threads, time_step
 from lmcore.version import __version__
@@ -43,6 +43,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "cpu_matmul_library",
     "document_boundaries",
+    "estimate_fsdp_memory",
     "estimate_memory",
     "flops_per_token",
     "generate",

@@ -32,13 +32,24 @@ mask), for s = seq_len, b = micro_batch, h = d_model, a = n_head, L layers, 16-b
   (2*s*b*h per layer) and rematerialises one block at a time during backward.
   Plus the output layer: b*s*V logits in the 16-bit compute dtype and their fp32 copy for the loss (6 bytes per
   element; 4 in fp32). fp32 training doubles the activation bytes.
+FSDP (PyTorch's `fully_shard` on each transformer block and on the root, trainloop's engine="fsdp"), per GPU over
+N GPUs, AdamW in fp32: the sharded fp32 parameters (4 Psi / N), their fp32 gradients (4 Psi / N; bf16 compute
+reduces them in fp32) and Adam's momentum and variance (8 Psi / N), 16 Psi / N in all. In flight: the unsharded
+parameters of two blocks in the compute dtype (the one computing and the one prefetched; 2 bytes each in bf16, 4 in
+fp32), the root's unsharded parameters (embeddings and final norm, kept gathered between forward and backward), and
+in the backward one block's unsharded gradient in the compute dtype plus its fp32 copy for the reduce-scatter.
+Accumulation without gradient sync (grad_accum > 1) keeps every block's unsharded gradient in fp32 until the step
+that syncs: 4 Psi more, not divided by N (FSDP2's `unsharded_accumulated_grad`), unless the gradients are
+reduce-scattered on every micro-batch. CPU offload moves the sharded
+parameters, gradients and optimizer states to the host (16 Psi / N per process); only what is in flight stays.
+
 Not counted: the CUDA context (about 0.3-1 GiB), allocator fragmentation, DeepSpeed's communication buckets
 (reduce/allgather bucket sizes) and temporary buffers: keep a margin.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lmcore.config import ModelConfig, n_params
 
@@ -110,6 +121,78 @@ def largest_parameter(config: ModelConfig) -> int:
     """Elements of the model's largest single parameter: the token embedding (vocab x d_model), or the MLP's."""
     assert config.d_ff is not None  # __post_init__ replaces None by the activation's default
     return max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
+
+
+def block_parameters(config: ModelConfig) -> tuple[int, int]:
+    """(parameters of one transformer block, parameters outside the blocks: embeddings, final norm, untied head).
+
+    Example:
+        >>> block, root = block_parameters(ModelConfig.from_preset("tiny"))
+        >>> 2 * block + root == n_params(ModelConfig.from_preset("tiny"))
+        True
+    """
+    one = n_params(replace(config, n_layer=1))
+    block = n_params(replace(config, n_layer=2)) - one
+    return block, one - block
+
+
+def estimate_fsdp_memory(
+    config: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    precision: str = "bf16",
+    world_size: int = 1,
+    cpu_offload: bool = False,
+    activation_checkpointing: str | None = None,
+    fused_attention: bool = True,
+    gradient_accumulation_steps: int = 1,
+    sync_every_micro_batch: bool = False,
+) -> MemoryEstimate:
+    """Per-GPU training memory of `config` under FSDP (`fully_shard` per block and on the root) over `world_size`
+    GPUs; the accounting is in the module docstring. `parameters` holds the sharded fp32 weights and what is in
+    flight unsharded, `gradients` the sharded fp32 gradients, one block's unsharded gradient and, with accumulation,
+    the unsharded fp32 gradients kept between syncs (none with `sync_every_micro_batch`, trainloop's
+    `fsdp_sync_every_micro`: the gradients are reduce-scattered on every micro-batch instead).
+
+    Example:
+        >>> est = estimate_fsdp_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", world_size=16,
+        ...                            gradient_accumulation_steps=4)
+        >>> round(est.model_states / 2**30, 2), round(est.total / 2**30, 2)  # GiB per GPU
+        (6.52, 10.08)
+    """
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(
+            f"precision must be 'fp32' or 'bf16' for FSDP (fp16 needs a sharded loss scaler), got {precision!r}"
+        )
+    for name, value in (
+        ("world_size", world_size),
+        ("micro_batch", micro_batch),
+        ("seq_len", seq_len),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    checkpointing = config.checkpointing if activation_checkpointing is None else activation_checkpointing
+    psi, n = n_params(config), world_size
+    block, root = block_parameters(config)
+    compute = 2 if precision == "bf16" else 4
+    sharded_params, sharded_grads, adam = 4 * psi // n, 4 * psi // n, 8 * psi // n
+    in_flight = compute * (2 * block + root)
+    grad_in_flight = compute * block + (4 * block if precision == "bf16" else 0)
+    accumulated = 4 * psi if gradient_accumulation_steps > 1 and not sync_every_micro_batch else 0
+    host_offload = 0
+    if cpu_offload:
+        host_offload = sharded_params + sharded_grads + adam
+        sharded_params, sharded_grads, adam = 0, 0, 0
+    return MemoryEstimate(
+        n_params=psi,
+        parameters=sharded_params + in_flight,
+        gradients=sharded_grads + grad_in_flight + accumulated,
+        optimizer_states=adam,
+        activations=activation_bytes(config, micro_batch, seq_len, precision, checkpointing, fused_attention),
+        host_offload=host_offload,
+        host_startup=4 * psi,
+    )
 
 
 def estimate_memory(

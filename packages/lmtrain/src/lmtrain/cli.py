@@ -89,6 +89,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "eps, weight_decay, a WarmupLR/WarmupDecayLR/WarmupCosineLR scheduler, gradient_clipping) become the run's, "
         '"auto" takes the run\'s value, and a value that differs from a --set one is an error',
     )
+    p.add_argument(
+        "--engine",
+        choices=("torch", "fsdp", "deepspeed"),
+        default=None,
+        help="torch (one process, or DDP under torchrun; the default), fsdp (PyTorch's fully_shard: parameters, "
+        "gradients and optimizer state sharded over the ranks, sharded checkpoints that resume on any number of "
+        "ranks) or deepspeed (ZeRO; the default with --deepspeed)",
+    )
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps to train")
     p.add_argument(
         "--time-budget",

@@ -315,28 +315,38 @@ def check_data(data_dir: str | None) -> list[Check]:
 
 
 def check_memory(preset: str | None, gpus: list[dict], world_size: int) -> tuple[list[Check], int | None]:
+    """The preset's memory per GPU under each engine layout (ENGINE_LAYOUTS), and which of them fit the smallest
+    GPU seen; FAIL when none does."""
     if not preset:
         return [Check(OK, "memory", "no --preset given: memory estimate skipped")], None
     from lmtrain.errors import LmtrainError
-    from lmtrain.model_setup import estimate_run_memory
+    from lmtrain.model_setup import ENGINE_LAYOUTS, estimate_run_memory
 
     try:
-        n_params, per_gpu = estimate_run_memory(preset, n_gpus=world_size)
+        per_engine = {
+            engine: estimate_run_memory(preset, n_gpus=world_size, engine=engine) for engine in ENGINE_LAYOUTS
+        }
     except (ValueError, LmtrainError) as exc:
         return [Check(FAIL, "memory", str(exc), "lmtrain doctor --preset with a known preset")], None
+    n_params = per_engine[ENGINE_LAYOUTS[0]][0]
     need = (
-        f"{per_gpu / GiB:.1f} GiB per GPU for {preset} ({n_params / 1e6:.0f}M parameters, ZeRO-2 + optimizer "
-        f"offload over {world_size} GPUs, the preset's micro batch)"
+        f"{preset} ({n_params / 1e6:.0f}M parameters, the preset's micro batch and accumulation) per GPU over "
+        f"{world_size} GPUs: " + ", ".join(f"{e} {b / GiB:.1f} GiB" for e, (_, b) in per_engine.items())
     )
     if not gpus:
         return [Check(WARN, "memory", f"{need}; no GPU to compare", "")], n_params
     have = min(g["memory_total"] for g in gpus)
-    if per_gpu > have:
-        # The estimate already assumes ZeRO-2 with the optimizer offloaded: what is left is activations.
+    fits = [e for e, (_, b) in per_engine.items() if b <= have]
+    if not fits:
         fix = "activation checkpointing (--set checkpointing=block) or a smaller micro_batch"
-        return [Check(FAIL, "memory", f"{need} > {have / GiB:.1f} GiB", fix)], n_params
-    status = WARN if per_gpu > 0.9 * have else OK
-    return [Check(status, "memory", f"{need} of {have / GiB:.1f} GiB", "little headroom: lower micro_batch")], n_params
+        return [Check(FAIL, "memory", f"{need}; none fits {have / GiB:.1f} GiB", fix)], n_params
+    roomy = [e for e in fits if per_engine[e][1] <= 0.9 * have]
+    status = OK if roomy else WARN
+    advice = {"torch": "--engine torch", "fsdp": "--engine fsdp",
+              "fsdp + CPU offload": "--engine fsdp --set fsdp_cpu_offload=true",
+              "deepspeed ZeRO-2 + offload": "--deepspeed with the cluster kit's ds_config"}  # fmt: skip
+    detail = f"{need}; fits {have / GiB:.1f} GiB with: " + ", ".join(f"{e} ({advice[e]})" for e in fits)
+    return [Check(status, "memory", detail, "" if roomy else "little headroom: lower micro_batch")], n_params
 
 
 def check_disk(n_params: int | None, where: str | os.PathLike) -> list[Check]:

@@ -57,6 +57,7 @@ class TrainRequest:
     overwrite: bool = False
     verify: Verify = "sizes"
     deepspeed: str | Mapping[str, Any] | None = None  # a DeepSpeed JSON config (file or dict): engine="deepspeed"
+    engine: str | None = None  # "torch", "fsdp" or "deepspeed"; None: "deepspeed" with a DeepSpeed config, else torch
     document_attention: bool = False
     gpumon: bool = False
     compile: bool = False  # torch.compile the model (lmcore.compile_model); on a CPU it measured no faster in fp32
@@ -68,6 +69,13 @@ class TrainRequest:
             raise LmtrainError("--resume continues a run and --overwrite deletes it: give one")
         if self.verify not in ("sizes", "full"):
             raise LmtrainError(f"verify={self.verify!r}: expected 'sizes' or 'full'")
+        if self.engine not in (None, "torch", "fsdp", "deepspeed"):
+            raise LmtrainError(f"--engine {self.engine}: expected torch, fsdp or deepspeed")
+        if self.deepspeed is not None and self.engine not in (None, "deepspeed"):
+            raise LmtrainError(
+                f"--engine {self.engine} and --deepspeed both name an engine: drop --deepspeed to train with "
+                f"{self.engine}, or use --engine deepspeed"
+            )
 
     @property
     def blend_spec(self) -> Path | None:
@@ -253,6 +261,8 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
         values["train.time_budget_s"] = float(request.time_budget_s)
     if request.deepspeed is not None:
         values["train.engine"] = "deepspeed"
+    elif request.engine is not None:
+        values["train.engine"] = request.engine
     configs = apply_overrides(values, configs)
     model_cfg, train_cfg, data_cfg = configs["model"], configs["train"], configs["data"]
     if request.max_steps is not None:

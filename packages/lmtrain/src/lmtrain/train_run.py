@@ -69,6 +69,7 @@ def train(
     overwrite: bool = False,
     verify: Verify = "sizes",
     deepspeed: str | os.PathLike | Mapping[str, Any] | None = None,
+    engine: str | None = None,
     document_attention: bool = False,
     gpumon: bool = False,
     compile: bool = False,
@@ -82,7 +83,8 @@ def train(
     (``{"lr": 1e-3, "model.dropout": 0.1}``; a string value is converted with the field's type, as ``--set``
     does). ``time_budget_s`` bounds the training time (without ``max_steps`` the schedule is sized to it as it
     runs); ``resume`` continues from the newest complete checkpoint (``verify="full"`` re-hashes it first),
-    ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed; ``compile``
+    ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed;
+    ``engine`` is "torch", "fsdp" or "deepspeed" (None: DeepSpeed with a DeepSpeed config, else torch); ``compile``
     compiles the model with ``torch.compile`` (no graph breaks: lmcore.compile_model; on a CPU it measured no faster
     in fp32 and its first compile takes a minute or more, so it is off by default). ``quiet`` keeps
     the training log off stdout. Bad input is one :class:`~lmtrain.errors.LmtrainError` naming the value and the fix.
@@ -111,6 +113,7 @@ def train(
         overwrite=overwrite,
         verify=verify,
         deepspeed=deepspeed if isinstance(deepspeed, Mapping) or deepspeed is None else str(deepspeed),
+        engine=engine,
         document_attention=document_attention,
         gpumon=gpumon,
         compile=compile,
@@ -250,6 +253,7 @@ def run_train(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         verify=args.verify,
         deepspeed=args.deepspeed,
+        engine=args.engine,
         document_attention=args.document_attention,
         gpumon=args.gpumon,
         compile=args.compile,

@@ -414,6 +414,14 @@ def write_weights(module: torch.nn.Module, state: dict[str, torch.Tensor], direc
 def read_weights(module: torch.nn.Module, checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> None:
     """Load a checkpoint's consolidated weights into ``module`` strictly; a tied weight stored once under one of
     its names (as ``save_pretrained`` layouts do) is filled in under the others."""
+    module.load_state_dict(full_model_state(module, checkpoint_dir, device))
+
+
+def full_model_state(
+    module: torch.nn.Module, checkpoint_dir: str | Path, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's consolidated weights under every state_dict name of ``module``: a tied weight stored once
+    under one of its names is filled in under the others."""
     state = load_model_weights(checkpoint_dir, device)
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -423,7 +431,7 @@ def read_weights(module: torch.nn.Module, checkpoint_dir: str | Path, device: st
         for n in names:
             if present and n not in state:
                 state[n] = state[present[0]]
-    module.load_state_dict(state)
+    return state
 
 
 def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 ScheduleName = Literal["cosine", "constant", "wsd"]
 Precision = Literal["fp32", "bf16", "fp16"]
-EngineName = Literal["torch", "deepspeed"]
+EngineName = Literal["torch", "deepspeed", "fsdp"]
+FSDPCheckpoint = Literal["sharded", "full"]
 Verify = Literal["sizes", "full"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 ENGINES: tuple[str, ...] = get_args(EngineName)
+FSDP_CHECKPOINTS: tuple[str, ...] = get_args(FSDPCheckpoint)
 
 
 class ConfigError(ValueError):
@@ -79,6 +82,15 @@ class TrainConfig:
     # Engine and faults.
     engine: EngineName = "torch"
     zero_stage: int = 2  # used when the DeepSpeed config names no stage
+    # engine="fsdp": the class names of the modules sharded each on their own (None: the model's shard_units(), else
+    # the blocks of its largest nn.ModuleList), parameters and gradients offloaded to host memory, and checkpoints
+    # as one torch.distributed.checkpoint shard per rank ("sharded") or whole on rank 0, broadcast on load ("full").
+    fsdp_units: list[str] | None = None
+    fsdp_cpu_offload: bool = False
+    fsdp_checkpoint: FSDPCheckpoint = "sharded"
+    # Reduce-scatter the gradients on every micro-batch instead of only the last: grad_accum times the gradient
+    # traffic, but no unsharded fp32 gradients kept between micro-batches (4 bytes per parameter on every rank).
+    fsdp_sync_every_micro: bool = False
     max_consecutive_skips: int = 5
     detect_anomaly: bool = False
     dist_timeout_s: float = 600.0
@@ -158,6 +170,7 @@ class TrainConfig:
             positive_float("time_budget_s")
         need(self.engine in ENGINES, "engine", f"allowed values are {', '.join(ENGINES)}")
         need(self.zero_stage in (0, 1, 2, 3), "zero_stage", "allowed values are 0, 1, 2, 3")
+        self._check_fsdp(need)
         int_at_least("max_consecutive_skips", 1)
         need(isinstance(self.detect_anomaly, bool), "detect_anomaly", "must be true or false")
         positive_float("dist_timeout_s")
@@ -172,6 +185,26 @@ class TrainConfig:
         need(isinstance(self.tensorboard, bool), "tensorboard", "must be true or false")
         need(self.wandb_project is None or (isinstance(self.wandb_project, str) and self.wandb_project.strip() != ""),
              "wandb_project", "must be a W&B project name or None (off)")  # fmt: skip
+
+    def _check_fsdp(self, need: Callable[[bool, str, str], None]) -> None:
+        units = self.fsdp_units
+        need(units is None or (isinstance(units, (list, tuple)) and len(units) > 0
+             and all(isinstance(u, str) and u for u in units)), "fsdp_units",
+             "must be None (found from the model) or a non-empty list of module class names")  # fmt: skip
+        self.fsdp_units = None if units is None else list(units)
+        need(isinstance(self.fsdp_cpu_offload, bool), "fsdp_cpu_offload", "must be true or false")
+        need(isinstance(self.fsdp_sync_every_micro, bool), "fsdp_sync_every_micro", "must be true or false")
+        need(self.fsdp_checkpoint in FSDP_CHECKPOINTS, "fsdp_checkpoint",
+             f"allowed values are {', '.join(FSDP_CHECKPOINTS)}")  # fmt: skip
+        fsdp = self.engine == "fsdp"
+        defaults = {"fsdp_units": None, "fsdp_cpu_offload": False, "fsdp_checkpoint": "sharded",
+                    "fsdp_sync_every_micro": False}  # fmt: skip
+        for name, default in defaults.items():
+            need(fsdp or getattr(self, name) == default, name,
+                 f"applies to engine='fsdp' only (engine={self.engine!r}); drop it or set engine='fsdp'")  # fmt: skip
+        need(not (fsdp and self.precision == "fp16"), "precision",
+             "'fp16' needs a loss scaler that agrees across shards, which engine='fsdp' does not have: use 'bf16' "
+             "(no scaler needed) or engine='torch'/'deepspeed' for fp16")  # fmt: skip
 
     @property
     def clip_thresholds(self) -> dict[str, float] | None:

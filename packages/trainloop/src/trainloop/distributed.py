@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainloop.config import ConfigError
 from trainloop.extras import import_extra
 
 
@@ -56,7 +57,19 @@ def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.de
             init()
         _own(not initialised)
     elif world > 1 and not dist.is_initialized():
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise ConfigError(
+                f"WORLD_SIZE={world} but {', '.join(missing)} not set: torch.distributed cannot start "
+                f"TrainConfig.engine={engine!r} on {world} ranks; launch with torchrun --nproc_per_node {world} "
+                "(or the deepspeed launcher), or unset WORLD_SIZE for one process"
+            )
         dist.init_process_group(backend, timeout=timeout)
+        _own(True)
+    elif engine == "fsdp" and not dist.is_initialized():
+        # fully_shard needs a process group, even for one rank: a one-rank group on a private port costs nothing.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        init_on_a_free_port(lambda: dist.init_process_group(backend, timeout=timeout, rank=0, world_size=1))
         _own(True)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

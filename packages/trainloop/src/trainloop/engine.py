@@ -34,9 +34,10 @@ class StepReport:
 class Engine(Protocol):
     """What the loop needs of an engine, in the order it asks each step: ``backward`` per micro-batch (gradients
     synchronised only when ``sync``), then one ``clip_and_step``. Implemented by ``TorchEngine`` (plain torch, DDP
-    under torchrun) and ``DeepSpeedEngine`` (ZeRO stages 0-3); :func:`make_engine` builds the one a config names."""
+    under torchrun), ``DeepSpeedEngine`` (ZeRO stages 0-3) and ``FSDPEngine`` (``fully_shard``); :func:`make_engine`
+    builds the one a config names."""
 
-    name: str  # "torch" or "deepspeed": recorded in each checkpoint, checked on resume
+    name: str  # "torch", "deepspeed" or "fsdp": recorded in each checkpoint, checked on resume
     module: torch.nn.Module  # the bare model (no DDP/DeepSpeed wrapper): evaluation, state dicts, FLOPs
 
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
@@ -138,7 +139,8 @@ def make_engine(
     ds_config: dict[str, Any] | str | Path | None = None,
 ) -> Engine:
     """The engine ``config.engine`` names, on this rank's device, after setting up the process group (gloo on CPU,
-    nccl on CUDA; DeepSpeed's communication layer for ``engine="deepspeed"``, even alone).
+    nccl on CUDA; DeepSpeed's communication layer for ``engine="deepspeed"``, even alone; a one-rank group for
+    ``engine="fsdp"`` alone, since ``fully_shard`` needs one).
 
     ``ds_config`` (``engine="deepspeed"`` only) is a DeepSpeed JSON config (a dict or a file): it is resolved once
     against ``config`` (:func:`trainloop.build_ds_config`) and that dict is what ``deepspeed.initialize`` gets; a
@@ -160,6 +162,10 @@ def make_engine(
         from trainloop.engine_deepspeed import DeepSpeedEngine
 
         return DeepSpeedEngine(model, config, device, ds_config, world_size)
+    if config.engine == "fsdp":
+        from trainloop.engine_fsdp import FSDPEngine
+
+        return FSDPEngine(model, config, device, world_size)
     from trainloop.engine_torch import TorchEngine
 
     return TorchEngine(model, config, device)

@@ -20,6 +20,7 @@ def evaluate(
     max_batches: int | None = None,
     bytes_per_token: float | None = None,
     stop: Callable[[], bool] | None = None,
+    collective: bool = False,
 ) -> dict[str, float] | None:
     """Mean loss over the split (or its first ``max_batches``), token perplexity ``exp(loss)`` and, given the split's
     bytes per token, bits per byte ``loss / ln 2 / bytes_per_token``.
@@ -34,6 +35,10 @@ def evaluate(
     at the same batch and the evaluation returns None. With several ranks that agreement costs one small all-reduce
     per batch, which a rank that has run out of batches keeps joining until every rank has.
 
+    ``collective``: ``forward`` is itself a collective (a sharded engine gathers parameters in it), so every rank
+    must run it as often as the others: a rank that has run out of batches runs its last batch again, uncounted,
+    while any other rank still evaluates.
+
     Example (a regression whose every prediction is 0.1 off: mean squared error 0.01):
         >>> import torch
         >>> model = torch.nn.Linear(4, 1)
@@ -47,8 +52,10 @@ def evaluate(
     module.eval()
     # sums of: loss x targets, targets, batches, batch losses, squared batch losses
     total = torch.zeros(5, dtype=torch.float64)
-    agree = stop is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    agree = several and (stop is not None or collective)
     i = 0
+    last: tuple[torch.Tensor, torch.Tensor] | None = None
     try:
         batches = iter(eval_data())
         with torch.no_grad():
@@ -65,8 +72,16 @@ def evaluate(
                 if not active:
                     break
                 if batch is None:
+                    if collective:
+                        if last is None:
+                            raise ValueError(
+                                f"rank {dist.get_rank()} has no evaluation batch while other ranks have: a sharded "
+                                "engine needs at least one batch on every rank (give eval_data more windows)"
+                            )
+                        forward(*last)
                     continue
                 inputs, targets = batch[0].to(device), batch[1].to(device)
+                last = (inputs, targets)
                 loss = forward(inputs, targets)
                 n = float((targets != -100).sum())
                 value = float(loss)

@@ -320,7 +320,8 @@ class Trainer:
         saved_world, saved_engine = int(manifest.get("world_size", 1)), manifest.get("engine", "torch")
         if saved_engine != self.engine.name:
             raise CheckpointError(
-                f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r}"
+                f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r} cannot "
+                f"read it: resume with engine={saved_engine!r} (lmtrain train --engine {saved_engine})"
             )
         if saved_world != self.world_size:
             self._say(f"{ckpt.name} was written by {saved_world} rank(s); resuming on {self.world_size}")
@@ -349,6 +350,7 @@ class Trainer:
             max_batches=self.config.eval_batches,
             bytes_per_token=self.bytes_per_token,
             stop=lambda: self._signals.received is not None,
+            collective=getattr(self.engine, "collective_forward", False),
         )
 
     def _eval_and_track(self, logger: MetricsLogger) -> tuple[dict[str, float] | None, bool]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
+from tiny_model import BlocksLM, SeqData, TinyLM, eval_batches  # noqa: E402
 
 from trainloop import TrainConfig, Trainer  # noqa: E402
 from trainloop.faults import StopSignals  # noqa: E402
@@ -55,6 +55,7 @@ def main() -> None:
             say(f"SIGNAL {rank} {signal.Signals(signum).name}")
 
     StopSignals._handle = announced
+    kind = args.pop("model", "tiny")  # "tiny" or "blocks" (what engine="fsdp" shards)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     say(f"PID {rank} {os.getpid()}")
@@ -71,7 +72,8 @@ def main() -> None:
             yield batch
 
     torch.manual_seed(0)
-    trainer = Trainer(TinyLM(), cfg, SeqData(cfg.micro_batch, rank=rank, world_size=world), run_dir=run_dir,
+    model = TinyLM() if kind == "tiny" else BlocksLM()
+    trainer = Trainer(model, cfg, SeqData(cfg.micro_batch, rank=rank, world_size=world), run_dir=run_dir,
                       eval_data=slow_eval)  # fmt: skip
     out = trainer.fit()
     say(f"SUMMARY {rank} " + json.dumps({k: v for k, v in out.items() if k != "eval"} | {"eval": out["eval"]}))

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_model import SeqData, TinyLM, eval_batches  # noqa: E402
+from tiny_model import BlocksLM, SeqData, TinyLM, eval_batches  # noqa: E402
 
 from trainloop import TrainConfig, Trainer  # noqa: E402
 
@@ -35,6 +35,9 @@ def main() -> None:
             return state
 
         et.TorchEngine.load = load_without_optimizer
+    check_weights = args.pop("check_weights", False)
+    uneven_eval = args.pop("uneven_eval", False)  # rank 0 evaluates 3 batches, the others 1
+    kind = args.pop("model", "tiny")  # "tiny", "blocks" or "blocks_ckpt" (activation checkpointing)
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -60,7 +63,7 @@ def main() -> None:
         et.save_model_weights = slow
     hang = args_hang
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM() if kind == "tiny" else BlocksLM(checkpointing=kind == "blocks_ckpt")
     if hang is not None and rank == hang[0]:
         import time
 
@@ -91,12 +94,20 @@ def main() -> None:
 
         model.forward = nan_forward
     data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
-    trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(), ds_config=ds_config)
+    n_eval = (3 if rank == 0 else 1) if uneven_eval else 2
+    trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(n_eval), ds_config=ds_config)
     out = trainer.fit(resume=resume)
+    if check_weights:
+        # The final checkpoint's consolidated weights against the live (sharded) parameters, gathered whole.
+        from trainloop import load_model_weights
+
+        saved = load_model_weights(out["checkpoint"])
+        live = {n: getattr(p, "full_tensor", lambda p=p: p)().detach() for n, p in model.named_parameters()}
+        diff = max(float((saved[n] - t.float()).abs().max()) for n, t in live.items())
+        if rank == 0:
+            os.write(1, ("WEIGHTS " + json.dumps({"max_abs_diff": diff, "names": sorted(live)}) + "\n").encode())
     if rank == 0:
-        os.write(
-            1, ("SUMMARY " + json.dumps({k: v for k, v in out.items() if k != "eval"}) + "\n").encode()
-        )  # one write: ranks share stdout
+        os.write(1, ("SUMMARY " + json.dumps(out) + "\n").encode())  # one write: ranks share stdout
 
 
 if __name__ == "__main__":
