@@ -211,14 +211,20 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face model directory (with its tokenizer)",
-        description="Write a checkpoint of the run as a directory transformers loads: --format hf is transformers' "
-        "own MPT (no custom code; models without biases, LayerNorm, GELU, d_ff = 4 d_model, no GQA), --format "
-        "hf-custom carries its own code (trust_remote_code=True; any model). The tokenizer is converted and checked "
-        "to give the same ids. Needs the hf extra (transformers, peft).",
+        description="Write a checkpoint of the run as a directory transformers loads: --format hf (the default) "
+        "writes transformers' own MPT where the model maps onto it (no custom code; models without biases, "
+        "LayerNorm, GELU, d_ff = 4 d_model, no GQA) and its own code otherwise (trust_remote_code=True), saying "
+        "which; --format hf-mpt insists on MPT, --format hf-custom on the custom code. The tokenizer is converted "
+        "and checked to give the same ids. Needs the hf extra (transformers, peft).",
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
-    p.add_argument("--format", required=True, metavar="hf|hf-custom", help="hf (MPT) or hf-custom (own code)")
+    p.add_argument(
+        "--format",
+        default="hf",
+        metavar="hf|hf-mpt|hf-custom",
+        help="hf (default): MPT where the model maps, else custom code; hf-mpt: MPT or an error; hf-custom: own code",
+    )
     _add_checkpoint_flags(p)
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument(

@@ -1,10 +1,11 @@
 """`lmtrain export`: a run's checkpoint as a Hugging Face directory, with a tokenizer that gives our ids.
 
-`--format hf` writes transformers' own MPT (`config.json` with `model_type: mpt`, `model.safetensors`), which
-`AutoModelForCausalLM.from_pretrained(DIR)` loads with no custom code; only models inside MPT's shape map (no
-biases, LayerNorm, GELU with d_ff = 4 * d_model, n_kv_head = n_head, tied embeddings, fixed slopes, no document
-separator), anything else is refused naming the fields. `--format hf-custom` takes any model: the directory
-carries its own code (`trust_remote_code=True`). LoRA adapters (in the checkpoint, or `--lora FILE` from
+`--format hf` (the default) writes transformers' own MPT when the model maps onto it and the custom-code layout
+otherwise, and says which it wrote and why. `--format hf-mpt` writes MPT (`config.json` with `model_type: mpt`,
+`model.safetensors`), which `AutoModelForCausalLM.from_pretrained(DIR)` loads with no custom code; only models inside
+MPT's shape map (no biases, LayerNorm, GELU with d_ff = 4 * d_model, n_kv_head = n_head, tied embeddings, fixed
+slopes, no document separator), anything else is refused naming the fields. `--format hf-custom` takes any model:
+the directory carries its own code (`trust_remote_code=True`). LoRA adapters (in the checkpoint, or `--lora FILE` from
 `save_lora`) go to `DIR/adapter` in PEFT's layout on top of the MPT base, or are folded in with `--merge-lora`.
 
 The tokenizer is the run's SentencePiece model converted by transformers' own converter into `tokenizer.json`;
@@ -19,6 +20,7 @@ nothing behind, and an existing non-empty DIR is replaced only with `--force`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -28,7 +30,7 @@ from typing import Any
 
 from lmtrain.errors import LmtrainError
 
-FORMATS = ("hf", "hf-custom")
+FORMATS = ("hf", "hf-mpt", "hf-custom")  # hf: MPT where the model maps, else hf-custom
 ADAPTER_DIR = "adapter"
 # What the round-trip check encodes besides the vocabulary's own pieces.
 CHECK_TEXT = (
@@ -166,7 +168,10 @@ def export_run(
     tokenizer: bool = True,
     on_note: Callable[[str], None] | None = None,
 ) -> Path:
-    """Export the run's `checkpoint` to `out` in `fmt` ("hf" or "hf-custom"); returns the checkpoint exported.
+    """Export the run's `checkpoint` to `out` in `fmt`; returns the checkpoint exported.
+
+    `fmt` "hf" writes MPT when the model maps onto it and the custom-code layout otherwise (`on_note` hears which and
+    why), "hf-mpt" writes MPT or refuses naming the fields that do not map, "hf-custom" writes the custom-code layout.
 
     `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
 
@@ -209,24 +214,25 @@ def export_run(
             said = str(exc)  # lmcore's messages begin with the file's path
             raise LmtrainError(f"--lora {said}" if said.startswith(str(lora)) else f"--lora {lora}: {said}") from None
     from lmcore import merge_lora as merge
+    from lmcore.hf_mpt import mpt_mismatches
     from lmcore.lora import lora_modules
 
+    bad = mpt_mismatches(model.config)
+    asked, fmt = fmt, written_format(fmt, bad)
+    if asked == "hf-mpt" and bad:
+        raise LmtrainError(
+            f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
+            "export with --format hf-custom or hf (loads with trust_remote_code=True)"
+        )
     if lora_modules(model):
         if merge_lora:
             merge(model)
         elif fmt == "hf-custom":
-            raise LmtrainError("--format hf-custom takes no separate adapters: add --merge-lora to fold them in")
+            why = f" (the model does not map onto MPT: {'; '.join(bad)})" if asked == "hf" else ""
+            raise LmtrainError(f"--format {asked} writes custom code{why}, which takes no separate adapters: add "
+                               "--merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
-    if fmt == "hf":
-        from lmcore.hf_mpt import mpt_mismatches
-
-        bad = mpt_mismatches(model.config)
-        if bad:
-            raise LmtrainError(
-                f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
-                "export with --format hf-custom (loads with trust_remote_code=True)"
-            )
     sp = load_tokenizer(run_dir) if tokenizer else None
     token_ids = {"eos_token_id": run.get("eos_id")}
     if sp is not None and sp.bos_id() >= 0:
@@ -248,6 +254,13 @@ def export_run(
         _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
         _follow_umask(tmp)
         _replace(tmp, out)
+        if on_note is not None and asked == "hf":
+            on_note(
+                "wrote transformers' MPT (loads with no custom code)"
+                if fmt == "hf-mpt"
+                else "wrote custom code (loads with trust_remote_code=True): the model does not map onto "
+                f"transformers' MPT ({'; '.join(bad)})"
+            )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # deepest first
@@ -255,6 +268,18 @@ def export_run(
                 p.rmdir()
         raise
     return path
+
+
+def written_format(fmt: str, mismatches: list[str]) -> str:
+    """The layout `--format fmt` writes for a model with these MPT `mismatches`: "hf-mpt" or "hf-custom".
+
+    Example:
+        >>> written_format("hf", []), written_format("hf", ["bias=True"]), written_format("hf-custom", [])
+        ('hf-mpt', 'hf-custom', 'hf-custom')
+    """
+    if fmt == "hf":
+        return "hf-custom" if mismatches else "hf-mpt"
+    return fmt
 
 
 def _write_tokenizer(sp: Any, sp_path: Path, directory: Path, model_max_length: int | None) -> None:
@@ -303,6 +328,8 @@ def run_export(args: argparse.Namespace) -> int:
         tokenizer=not args.no_tokenizer,
         on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
     )
-    load = "trust_remote_code=True" if args.format == "hf-custom" else "no custom code"
-    print(f"exported {checkpoint} to {args.out} ({args.format}; AutoModelForCausalLM.from_pretrained, {load})")
+    custom = "auto_map" in json.loads((Path(args.out) / "config.json").read_text())
+    what = "custom code; trust_remote_code=True" if custom else "transformers' MPT; no custom code"
+    print(f"exported {checkpoint} to {args.out} ({what}: AutoModelForCausalLM.from_pretrained({str(args.out)!r}"
+          f"{', trust_remote_code=True' if custom else ''}))")  # fmt: skip
     return 0
