@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmtrain.errors import LmtrainError
+from trainloop.extras import install_hint
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 GiB = 2**30
@@ -157,7 +158,7 @@ def check_versions() -> list[Check]:
         except Exception as exc:  # deepspeed raises more than ImportError when its accelerator is broken
             status = FAIL if required else WARN
             why = "needed for --deepspeed" if module == "deepspeed" else "needed for the fused GPU attention kernel"
-            install = "pip install 'lmtrain[deepspeed]'" if module == "deepspeed" else f"pip install {module}"
+            install = install_hint("deepspeed", "lmtrain") if module == "deepspeed" else f"pip install {module}"
             fix = f"{install} ({why})" if not required else "pip install torch"
             checks.append(Check(status, module, f"not importable: {str(exc).splitlines()[0][:120]}", fix))
     return checks
