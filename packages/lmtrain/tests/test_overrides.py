@@ -100,9 +100,8 @@ def test_real_configs_accept_their_field_names():
                                              ("block_size", "seq_len"), ("n_embd", "d_model")])  # fmt: skip
 def test_unknown_key_suggests_our_name_for_the_same_setting_first(asked, ours):
     from lmcore import ModelConfig
-    from trainloop import TrainConfig
-
     from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
 
     configs = {"model": ModelConfig.from_preset("tiny"), "train": TrainConfig(), "data": DataConfig()}
     with pytest.raises(OverrideError) as err:
@@ -112,10 +111,9 @@ def test_unknown_key_suggests_our_name_for_the_same_setting_first(asked, ours):
 
 def test_every_synonym_names_a_real_field():
     from lmcore import ModelConfig
-    from trainloop import TrainConfig
-
     from lmtrain.overrides import SYNONYMS
     from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
 
     fields = {f.name for c in (ModelConfig, TrainConfig, DataConfig) for f in dataclasses.fields(c)}
     assert set(SYNONYMS.values()) <= fields and not set(SYNONYMS) & fields

@@ -37,7 +37,8 @@ SYNONYMS = {
     "num_attention_heads": "n_head", "n_kv_heads": "n_kv_head", "num_key_value_heads": "n_kv_head",
     "intermediate_size": "d_ff", "ffn_dim": "d_ff", "max_position_embeddings": "context_length",
     "dropout_rate": "dropout", "dtype": "precision", "mixed_precision": "precision", "bf16": "precision",
-    "fp16": "precision", "random_seed": "seed", "zero_optimization": "zero_stage", "patience": "early_stopping_patience",
+    "fp16": "precision", "random_seed": "seed", "zero_optimization": "zero_stage",
+    "patience": "early_stopping_patience",
     "wandb": "wandb_project", "tb": "tensorboard", "num_threads": "cpu_threads", "threads": "cpu_threads",
 }  # fmt: skip
 _TRUE = {"1", "true", "yes", "on"}
