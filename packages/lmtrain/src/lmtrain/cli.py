@@ -75,8 +75,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         description="Single process by default; under torchrun or the deepspeed launcher it trains on all ranks "
         "(RANK, WORLD_SIZE, LOCAL_RANK from the environment).",
     )
-    p.add_argument("--data", required=True, metavar="DATA_DIR", help="directory written by `lmtrain prepare`")
-    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (metrics, checkpoints, plots)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="run.toml",
+        help="a run file holding the whole run (data, out, recipe, budget, DeepSpeed JSON, [model]/[train]/"
+        "[data_config] fields), or an earlier run's run.json; the flags below override it",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged run (flags over --config over the recipe) as a run file and exit, training nothing",
+    )
+    p.add_argument("--json", action="store_true", help="end with the summary as one JSON object instead of a block")
+    p.add_argument("--data", default=None, metavar="DATA_DIR", help="directory written by `lmtrain prepare`")
+    p.add_argument("--out", default=None, metavar="RUN_DIR", help="run directory (metrics, checkpoints, plots)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", default=None, help="lmcore preset name (default cpu-small)")
     model.add_argument("--model-config", default=None, metavar="config.json", help="model config JSON file")

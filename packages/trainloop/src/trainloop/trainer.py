@@ -49,6 +49,7 @@ from trainloop.metrics_logging import (
     add_throughput,
     detect_peak_tflops,
     flops_per_token,
+    format_eval,
     format_line,
 )
 from trainloop.schedules import ConfigSchedule, Schedule
@@ -211,6 +212,9 @@ class Trainer:
         another rank's output on the same pipe can land."""
         if self.is_main:
             line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}\n"
+            tqdm = sys.modules.get("tqdm")  # a bar, if any, came from tqdm: a line written past it would break it
+            if bar is None and tqdm is not None and getattr(tqdm.tqdm, "_instances", None):
+                bar = tqdm.tqdm
             if bar is not None:
                 bar.write(line, end="")
             else:
@@ -363,7 +367,7 @@ class Trainer:
                 self._say(f"evaluation at step {step} stopped by a signal (on this or another rank): not counted")
             return None, False
         logger.log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
-        self._say(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        self._say(f"eval at step {step}: {format_eval(result)}")
         improved, early = self.best_tracker.observe(self.state, result["loss"])
         if improved and self.config.keep_best:
             if self.checkpoint_policy.due_for_best(step, self._last_saved_step):

@@ -1,0 +1,92 @@
+"""`lmtrain train --config run.toml`, `--print-config` and run.json read back: one run file, flags over it."""
+
+import json
+
+import pytest
+from trained_runs import tiny_run
+
+from lmtrain.cli import build_parser, main
+from lmtrain.train_run import draft_plan, request_from_args
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tiny_run(tmp_path_factory)
+
+
+def plan_of(*argv):
+    return draft_plan(request_from_args(build_parser().parse_args(["train", *map(str, argv)])))
+
+
+def configs(plan):
+    return plan.model.to_dict(), plan.train.to_dict(), plan.data
+
+
+def test_printed_config_trains_the_same_run_as_the_flags(run, tmp_path, capsys):
+    data = run.parent / "data"
+    flags = ["--data", data, "--out", tmp_path / "r", "--preset", "tiny", "--max-steps", "7", "--set", "lr=2e-3",
+             "--set", "model.dropout=0.1", "--set", "seq_len=16"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", *map(str, flags), "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "lr = 0.002" in printed and "dropout = 0.1" in printed and "# beta2 = 0.95" in printed
+    assert not (tmp_path / "r").exists()  # printing trains nothing and writes nothing
+    (tmp_path / "run.toml").write_text(printed)
+    from_file = plan_of("--config", tmp_path / "run.toml")
+    assert configs(from_file) == configs(plan_of(*flags))
+    assert from_file.request.out == str((tmp_path / "r").resolve())
+
+
+def test_flags_override_the_run_file_and_paths_are_relative_to_it(run, tmp_path):
+    (tmp_path / "data").symlink_to(run.parent / "data")
+    (tmp_path / "run.toml").write_text(
+        'data = "data"\nout = "runs/a"\nrecipe = "tiny"\nmax_steps = 9\n\n[train]\nlr = 1e-3\nseed = 3\n'
+        "\n[data_config]\nseq_len = 16\n"
+    )
+    plan = plan_of("--config", tmp_path / "run.toml", "--max-steps", "5", "--set", "lr=4e-3", "--out", tmp_path / "b")
+    assert (plan.train.max_steps, plan.train.lr, plan.train.seed, plan.seq_len) == (5, 4e-3, 3, 16)
+    assert plan.request.data == str(tmp_path / "data") and plan.request.out == str(tmp_path / "b")
+
+
+def test_run_json_reads_back_as_the_config_of_a_new_run(run, tmp_path):
+    saved = json.loads((run / "run.json").read_text())
+    plan = plan_of("--config", run / "run.json", "--out", tmp_path / "again")
+    assert plan.model.to_dict() == saved["model_config"]
+    assert plan.train.to_dict() == saved["train_config"]
+    assert plan.recipe == saved["recipe"] and plan.request.data == saved["data"]
+    longer = plan_of("--config", run / "run.json", "--out", tmp_path / "again", "--max-steps", "8")
+    assert (longer.train.max_steps, longer.train.t_max) == (8, 8)  # the decay follows the run's new end
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ('data = "d"\nrecipee = "tiny"\n', "unknown key 'recipee'; did you mean recipe"),
+    ('data = "d"\nmax_steps = "ten"\n', "max_steps = 'ten': expected an integer"),
+    ('data = "d"\ntime_budget_s = -5\n', "time_budget_s = -5: expected a finite number of seconds > 0"),
+    ('data = "d"\n[train\n', "not valid TOML"),
+    ('data = "d"\ntrain = 3\n', "train = 3: expected a table ([train])"),
+])  # fmt: skip
+def test_a_bad_run_file_is_one_line_and_writes_nothing(text, named, tmp_path, capsys):
+    (tmp_path / "run.toml").write_text(text)
+    capsys.readouterr()
+    assert main(["train", "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lmtrain train: error: --config ") and named in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_run_ends_with_a_block_people_read_and_the_same_facts_as_json(run, tmp_path, capsys):
+    data = run.parent / "data"
+    argv = ["train", "--data", str(data), "--out", str(tmp_path / "r"), "--preset", "tiny", "--max-steps", "2",
+            "--set", "eval_every=2", "--set", "log_every=1", "--set", "cpu_threads=1", "--no-progress"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    facts = json.loads(lines[-1])["summary"]
+    block = lines[lines.index("lmtrain: run finished") : -1]
+    text = "\n".join(block)
+    assert facts["reason"] == "planned end (max_steps 2)" and "planned end (max_steps 2), at step 2" in text
+    assert "nats/token" in text and "bits/byte" in text and f"{int(facts['eval']['tokens']):,} tokens" in text
+    assert f"-> {tmp_path / 'r' / 'checkpoints'}" in text and str(tmp_path / "r" / "loss.png") in text
+    assert main([*argv[:4], str(tmp_path / "s"), *argv[5:], "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "lmtrain: run finished" not in lines and json.loads(lines[-1])["summary"]["step"] == 2
