@@ -90,3 +90,25 @@ def test_the_run_ends_with_a_block_people_read_and_the_same_facts_as_json(run, t
     assert main([*argv[:4], str(tmp_path / "s"), *argv[5:], "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "lmtrain: run finished" not in lines and json.loads(lines[-1])["summary"]["step"] == 2
+
+
+def test_tensorboard_and_wandb_are_flags(run, tmp_path):
+    plan = plan_of("--data", run.parent / "data", "--out", tmp_path / "r", "--tensorboard", "--wandb", "my-project")
+    assert plan.train.tensorboard is True and plan.train.wandb_project == "my-project"
+    assert plan_of("--data", run.parent / "data", "--out", tmp_path / "r").train.tensorboard is False
+
+
+def test_the_loss_plot_is_redrawn_at_every_evaluation(run, tmp_path, monkeypatch):
+    import lmtrain.train_run as train_run
+
+    drawn = []
+    plot = train_run._plot
+
+    def recording_plot(run_dir):
+        plot(run_dir)
+        drawn.append((run_dir / "loss.png").is_file())
+
+    monkeypatch.setattr(train_run, "_plot", recording_plot)
+    train_run.train(run.parent / "data", tmp_path / "r", recipe="tiny", max_steps=6, quiet=True,
+                    overrides={"eval_every": 2, "log_every": 1, "cpu_threads": 1})  # fmt: skip
+    assert drawn == [True, True, True, True]  # after the evaluations at steps 2, 4 and 6, and once at the end

@@ -125,7 +125,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
-        "--gpumon", action="store_true", help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.csv"
+        "--gpumon",
+        action="store_true",
+        help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.HOST.csv (one file per node)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log to TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`; the "
+        "tensorboard extra); RUN_DIR/loss.png is redrawn at every evaluation either way",
+    )
+    p.add_argument(
+        "--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases under PROJECT (the wandb extra)"
     )
     p.add_argument(
         "--document-attention",

@@ -225,6 +225,7 @@ def _prepare(
     shard_mb: float | None,
 ) -> dict[str, Any]:
     import tokbin
+    from lmtrain.progress import step
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
     from tokbin.sample import write_sample
     from tokbin.sources import PARQUET_EXTRA
@@ -241,21 +242,28 @@ def _prepare(
         if sample_bytes == 0:
             raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
         try:
-            model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, **LOSSLESS_SPM_OPTIONS)
+            with step(f"tokenizer: training {model_type} (vocab {vocab_size:,}) on {sample_bytes / 1e6:.3g} MB",
+                      enabled=progress) as bar:  # fmt: skip
+                model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, progress=bar,
+                                               **LOSSLESS_SPM_OPTIONS)  # fmt: skip
         except (tokbin.TokenFileError, ValueError) as exc:
             raise LmtrainError(f"tokenizer training failed: {exc}") from None
         if model != out / TOKENIZER_FILE:
             shutil.move(model, out / TOKENIZER_FILE)
         tokenizer = out / TOKENIZER_FILE
         names = ("train", "val") if shard_mb is not None else ("train.bin", "val.bin")
-        options = dict(read, workers=workers, progress=progress)
+        options = dict(read, workers=workers)
         if shard_mb is not None:
             options["shard_bytes"] = max(1, int(shard_mb * 1e6))
-        train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, **options)
+        with step(f"encode: the training split -> {out / names[0]}", enabled=progress) as bar:
+            train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, progress=bar,
+                                         **options)  # fmt: skip
         val_inputs = val_texts or texts
         if val_texts:
             options["split_docs"] = fmt_text and split_docs
-        val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, **options)
+        with step(f"encode: the validation split -> {out / names[1]}", enabled=progress) as bar:
+            val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, progress=bar,
+                                       **options)  # fmt: skip
         val_text = out / VAL_TEXT_FILE
         if not any(Path(v).resolve() == val_text.resolve() for v in val_inputs):  # never overwrite an input
             _write_val_text(tokenizer, val.tokens, val_text)

@@ -258,7 +258,7 @@ def _run(request: TrainRequest, t_start: float, as_json: bool = False) -> RunSum
                           extra_state={"model_config": plan.model.to_dict(),
                                        "data_config": dataclasses.asdict(plan.data),
                                        "tokenizer_sha256": plan.tokenizer_sha256},
-                          schedule=schedule)  # fmt: skip
+                          schedule=schedule, on_eval=(lambda *_: _plot(run_dir)) if rank == 0 else None)  # fmt: skip
         out = trainer.fit(resume=request.resume, overwrite=request.overwrite, verify=request.verify,
                           on_ready=lambda: _write_run_files(plan, run_dir) if rank == 0 else None)  # fmt: skip
     except (ConfigError, CheckpointError) as exc:
@@ -318,6 +318,10 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
     for key in ("document_attention", "gpumon", "compile"):
         values[key] = getattr(args, key) or bool(values.get(key, False))
     overrides = {**values.pop("overrides"), **dict(parse_pairs(args.overrides))}
+    if args.tensorboard:
+        overrides["train.tensorboard"] = True
+    if args.wandb is not None:
+        overrides["train.wandb_project"] = args.wandb
     for key in ("data", "out"):
         if values.get(key) is None:
             where = " (or a `" + key + " = ...` line in --config)" if args.config else ""

@@ -94,7 +94,8 @@ class Trainer:
     asked for every step's learning rate and the final step; it defaults to the config's closed form
     (:class:`~trainloop.schedules.ConfigSchedule`), and :class:`~trainloop.budget.BudgetSchedule` re-plans itself to
     the time budget while the loop runs. ``clock`` measures training time (budget, timed evaluations, re-plans,
-    throughput); a test may pass a deterministic one.
+    throughput); a test may pass a deterministic one. ``on_eval(step, result)`` runs on the main rank after each
+    evaluation is logged (the app redraws its loss plot there, so that a run can be watched).
 
     Example (a linear regression; any module whose forward returns the loss trains the same way):
         >>> import tempfile, torch
@@ -137,6 +138,7 @@ class Trainer:
         extra_state: dict[str, Any] | None = None,
         schedule: Schedule | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        on_eval: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -174,6 +176,7 @@ class Trainer:
         self._last_saved_step: int | None = None
         self._batch_checked = False
         self._clock = clock
+        self.on_eval = on_eval  # called on the main rank after each evaluation is logged (step, result)
         self._fit_t0 = clock()
 
     # The loop's state, read by name.
@@ -368,6 +371,8 @@ class Trainer:
             return None, False
         logger.log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
         self._say(f"eval at step {step}: {format_eval(result)}")
+        if self.on_eval is not None and self.is_main:
+            self.on_eval(step, result)
         improved, early = self.best_tracker.observe(self.state, result["loss"])
         if improved and self.config.keep_best:
             if self.checkpoint_policy.due_for_best(step, self._last_saved_step):
