@@ -148,7 +148,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, 
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
     assert export("--run", source, "--out", out, "--format", fmt) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[lmtrain ")]
     assert len(err) == 1 and err[0].startswith("lmtrain export: error: ") and named in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing new beside DIR
     assert not out.exists() or [p.name for p in out.iterdir()] == ["keep.txt"]

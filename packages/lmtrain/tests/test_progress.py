@@ -47,3 +47,15 @@ def test_eval_and_prepare_say_what_they_do_when_not_on_a_terminal(tmp_path_facto
     err = capsys.readouterr().err
     assert re.search(r"\] tokenizer: training bpe \(vocab 400\) on .* MB: done in", err), err
     assert re.search(r"\] encode: the training split -> .*train.bin: done in", err), err
+
+
+def test_export_says_each_long_step(tmp_path_factory, tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    run = tiny_run(tmp_path_factory)
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"\] export: the tokenizer converted and checked against SentencePiece: done in", err), err
+    assert re.search(r"\] export: the weights \(mpt layout\) -> .*hf: done in", err), err

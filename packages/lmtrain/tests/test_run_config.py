@@ -112,3 +112,15 @@ def test_the_loss_plot_is_redrawn_at_every_evaluation(run, tmp_path, monkeypatch
     train_run.train(run.parent / "data", tmp_path / "r", recipe="tiny", max_steps=6, quiet=True,
                     overrides={"eval_every": 2, "log_every": 1, "cpu_threads": 1})  # fmt: skip
     assert drawn == [True, True, True, True]  # after the evaluations at steps 2, 4 and 6, and once at the end
+
+
+def test_gpumon_without_a_driver_is_one_plain_line(run, tmp_path, capsys):
+    pytest.importorskip("gpumon")
+    capsys.readouterr()
+    assert main(["train", "--data", str(run.parent / "data"), "--out", str(tmp_path / "r"), "--preset", "tiny",
+                 "--max-steps", "1", "--gpumon", "--set", "cpu_threads=1", "--no-progress"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    notice = [line for line in err.splitlines() if "NVML" in line]
+    assert notice and all(line.startswith("lmtrain: warning: gpumon: NVML") for line in notice), err
+    assert "UserWarning" not in err
+    assert list((tmp_path / "r").glob("gpumon.*.csv"))

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import errno
 import importlib
+import io
 import ipaddress
 import os
 import platform
@@ -153,7 +154,9 @@ def check_versions() -> list[Check]:
     checks.append(Check(OK if ok else FAIL, "python", py, "use Python 3.10 or newer"))
     for module, required in (("torch", True), ("deepspeed", False), ("triton", False)):
         try:
-            mod = importlib.import_module(module)
+            # DeepSpeed logs to stdout while it imports ("Setting accelerator to CPU ..."): one line per check here.
+            with contextlib.redirect_stdout(io.StringIO()):
+                mod = importlib.import_module(module)
             checks.append(Check(OK, module, getattr(mod, "__version__", "?")))
         except Exception as exc:  # deepspeed raises more than ImportError when its accelerator is broken
             status = FAIL if required else WARN

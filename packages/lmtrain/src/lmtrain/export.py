@@ -167,6 +167,7 @@ def export_run(
     merge_lora: bool = False,
     tokenizer: bool = True,
     on_note: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> Path:
     """Export the run's `checkpoint` to `out` in `fmt`; returns the checkpoint exported.
 
@@ -174,6 +175,7 @@ def export_run(
     why), "hf-mpt" writes MPT or refuses naming the fields that do not map, "hf-custom" writes the custom-code layout.
 
     `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
+    `progress` writes a timestamped line as each long step (the tokenizer's check, the weights) starts and ends.
 
     Example (needs the hf extra; `tiny_run`: 4 steps of the tiny preset without biases, which maps onto MPT):
         >>> import os, tempfile, torch
@@ -193,6 +195,7 @@ def export_run(
         ('MptForCausalLM', True)
         >>> work.cleanup()
     """
+    from lmtrain.progress import step
     from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer, load_trained_model
 
     if fmt not in FORMATS:
@@ -250,8 +253,10 @@ def export_run(
             from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
 
             context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
-            _write_tokenizer(sp, Path(run_dir) / TOKENIZER_FILE, tmp, None if fmt == "hf-custom" else context)
-        _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
+            with step("export: the tokenizer converted and checked against SentencePiece", enabled=progress, bar=False):
+                _write_tokenizer(sp, Path(run_dir) / TOKENIZER_FILE, tmp, None if fmt == "hf-custom" else context)
+        with step(f"export: the weights ({fmt.removeprefix('hf-')} layout) -> {out}", enabled=progress, bar=False):
+            _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
         _follow_umask(tmp)
         _replace(tmp, out)
         if on_note is not None and asked == "hf":
@@ -327,6 +332,7 @@ def run_export(args: argparse.Namespace) -> int:
         merge_lora=args.merge_lora,
         tokenizer=not args.no_tokenizer,
         on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
+        progress=True,
     )
     custom = "auto_map" in json.loads((Path(args.out) / "config.json").read_text())
     what = "custom code; trust_remote_code=True" if custom else "transformers' MPT; no custom code"

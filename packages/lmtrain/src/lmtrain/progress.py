@@ -94,9 +94,10 @@ class Progress:
 
 
 @contextlib.contextmanager
-def step(desc: str, *, enabled: bool = True, stream: IO[str] | None = None) -> Iterator[bool]:
+def step(desc: str, *, enabled: bool = True, stream: IO[str] | None = None, bar: bool = True) -> Iterator[bool]:
     """A long step whose own library draws a bar: yields whether to let it (a terminal); elsewhere writes
-    timestamped lines when the step starts and when it is done, and yields False.
+    timestamped lines when the step starts and when it is done, and yields False. ``bar=False``: a step with no bar
+    of its own, whose lines are written on a terminal too.
 
     Example:
         >>> import io
@@ -110,7 +111,7 @@ def step(desc: str, *, enabled: bool = True, stream: IO[str] | None = None) -> I
     if not enabled:
         yield False
         return
-    if bars_wanted(stream):
+    if bar and bars_wanted(stream):
         yield True
         return
     t0 = time.perf_counter()

@@ -565,10 +565,16 @@ def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0
 
 
 def _start_monitor(run_dir: Path) -> Any:
+    import warnings
+
     import gpumon
 
     # GPUs through NVML where there is a driver, else the host (CPU, RSS) with gpumon's one-line warning. One file
     # per node (its host name in the name) and per process: a restart or another node never overwrites a recording.
     monitor = gpumon.Monitor(rate_hz=100, out=gpumon.recording_path(run_dir), backend="auto")
-    monitor.__enter__()
+    with warnings.catch_warnings(record=True) as said:  # gpumon's notices (no driver: the host only) as one line each
+        warnings.simplefilter("always")
+        monitor.__enter__()
+    for notice in said:
+        print(f"lmtrain: warning: {notice.message}", file=sys.stderr, flush=True)
     return monitor
