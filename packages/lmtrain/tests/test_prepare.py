@@ -173,3 +173,18 @@ def test_bad_input_is_one_line(extra, words, corpus, tmp_path, capsys):
     for word in words:
         assert word in err, (word, err)
     assert not (tmp_path / "out").exists()  # nothing left behind, late failures included
+
+
+def test_missing_pyarrow_names_the_checkout_directory_once(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is not None:
+        pytest.skip("pyarrow is installed: the missing-extra line cannot show")
+    from trainloop.extras import install_hint
+
+    rows = _parquet_dir(tmp_path / "rows")
+    code = main(["prepare", "--text", str(rows), "--parquet-column", "text", "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    hint = install_hint("parquet", "lmtools-tokbin")
+    assert code == 2 and err.endswith(f"needs pyarrow: {hint}") and err.count("pip install") == 1, err
+    assert not (tmp_path / "out").exists()

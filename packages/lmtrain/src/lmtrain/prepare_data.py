@@ -273,8 +273,13 @@ def _prepare(
                 f"{exc}: --val-fraction {fraction} left a split without documents; use more text, another "
                 "fraction, or --val-text"
             ) from None
-        hint = f" ({PARQUET_EXTRA})" if "pyarrow" in str(exc) and PARQUET_EXTRA not in str(exc) else ""
-        raise LmtrainError(f"{exc}{hint}") from None
+        said = str(exc)
+        if "pyarrow" in said:  # tokbin names its distribution; from a checkout the directory is what installs
+            from trainloop.extras import install_hint
+
+            hint = install_hint("parquet", "lmtools-tokbin")
+            said = said.replace(PARQUET_EXTRA, hint) if PARQUET_EXTRA in said else f"{said} ({hint})"
+        raise LmtrainError(said) from None
     except ValueError as exc:
         raise LmtrainError(str(exc)) from None
     finally:
