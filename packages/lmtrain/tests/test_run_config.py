@@ -64,6 +64,8 @@ def test_run_json_reads_back_as_the_config_of_a_new_run(run, tmp_path):
     ('data = "d"\ntime_budget_s = -5\n', "time_budget_s = -5: expected a finite number of seconds > 0"),
     ('data = "d"\n[train\n', "not valid TOML"),
     ('data = "d"\ntrain = 3\n', "train = 3: expected a table ([train])"),
+    ('data = "d"\n[train]\nlearning_rate = 1e-3\n', "[train] learning_rate: no field 'learning_rate' in the train "
+     "config; did you mean lr"),
 ])  # fmt: skip
 def test_a_bad_run_file_is_one_line_and_writes_nothing(text, named, tmp_path, capsys):
     (tmp_path / "run.toml").write_text(text)

@@ -139,8 +139,29 @@ def _request_values(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
     for key in PATH_KEYS:
         if isinstance(values.get(key), str) and not Path(values[key]).is_absolute():
             values[key] = str(path.parent / values[key])
+    _check_fields(overrides, path)
     values["overrides"] = overrides
     return values
+
+
+def _check_fields(overrides: Mapping[str, Any], path: Path) -> None:
+    """Every table field names a field of its config, checked here so that the error names the file (the values
+    are converted and validated with the configs, as `--set` values are)."""
+    from lmcore import ModelConfig
+    from lmtrain.errors import OverrideError
+    from lmtrain.overrides import targets
+    from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
+
+    configs = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+    for key in overrides:
+        try:
+            targets(key, configs)
+        except OverrideError as exc:
+            section, _, name = key.partition(".")
+            table = next(t for t, prefix in SECTIONS.items() if prefix == section)
+            said = str(exc).removeprefix(f"--set {key}: ")
+            raise LmtrainError(f"--config {path}: [{table}] {name}: {said}") from None
 
 
 def _checked(key: str, value: Any, path: Path) -> Any:
