@@ -37,7 +37,7 @@ TEST_EXTRAS = {
     "gpumon": ["plot"],
     "lmcore": ["hf"],  # the Hugging Face export tests skip without transformers and peft
     "trainloop": ["deepspeed", "plot", "tensorboard"],
-    "lmtrain": ["hf"],
+    "lmtrain": ["hf", "yaml"],
 }
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]

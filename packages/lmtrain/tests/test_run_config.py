@@ -126,3 +126,19 @@ def test_gpumon_without_a_driver_is_one_plain_line(run, tmp_path, capsys):
     assert notice and all(line.startswith("lmtrain: warning: gpumon: NVML") for line in notice), err
     assert "UserWarning" not in err
     assert list((tmp_path / "r").glob("gpumon.*.csv"))
+
+
+def test_a_yaml_run_file_reads_as_the_toml_one(run, tmp_path, monkeypatch, capsys):
+    import sys
+
+    pytest.importorskip("yaml")
+    (tmp_path / "data").symlink_to(run.parent / "data")
+    (tmp_path / "run.toml").write_text('data = "data"\nrecipe = "tiny"\nmax_steps = 9\n[train]\nlr = 1e-3\n')
+    (tmp_path / "run.yaml").write_text("data: data\nrecipe: tiny\nmax_steps: 9\ntrain:\n  lr: 1.0e-3\n")
+    toml, yaml = (plan_of("--config", tmp_path / name, "--out", tmp_path / "r") for name in ("run.toml", "run.yaml"))
+    assert configs(toml) == configs(yaml) and yaml.train.lr == 1e-3
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
+    capsys.readouterr()
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a YAML run file needs PyYAML, which is not installed: pip install" in err[0], err

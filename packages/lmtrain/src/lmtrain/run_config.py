@@ -1,6 +1,7 @@
 """One run file: `lmtrain train --config run.toml` holds everything a run needs; flags override it.
 
-A run file is TOML (or the ``run.json`` of an earlier run, read back as the config of a new one). Its top-level keys
+A run file is TOML, YAML (``.yaml``/``.yml``, with the ``yaml`` extra: PyYAML) or the ``run.json`` of an earlier run,
+read back as the config of a new one. Its top-level keys
 are the :class:`~lmtrain.plan.TrainRequest` fields a run is made of; its ``[model]``, ``[train]`` and
 ``[data_config]`` tables set fields of the model, training and data configs, as ``--set model.x=...`` does (the data
 table has a longer name because ``data`` is the data directory)::
@@ -76,7 +77,9 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise LmtrainError(f"--config {path}: cannot read it ({exc}): expected a TOML run file or a run.json") from None
-    if path.suffix.lower() == ".json":
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raw = _read_yaml(text, path)
+    elif path.suffix.lower() == ".json":
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -90,6 +93,24 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as exc:
             raise LmtrainError(f"--config {path}: not valid TOML ({exc}); see `lmtrain train --print-config`") from None
     return _request_values(raw, path)
+
+
+def _read_yaml(text: str, path: Path) -> dict[str, Any]:
+    """A YAML run file: the same keys and tables as the TOML one (PyYAML's safe loader: plain data, no objects)."""
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        from trainloop.extras import install_hint
+
+        raise LmtrainError(f"--config {path}: a YAML run file needs PyYAML, which is not installed: "
+                           f"{install_hint('yaml', 'lmtrain')} (a TOML run file needs nothing)") from None  # fmt: skip
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise LmtrainError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(raw, dict):
+        raise LmtrainError(f"--config {path}: holds a {type(raw).__name__}, expected a mapping of run keys")
+    return raw
 
 
 def _from_run_json(run: dict[str, Any], path: Path) -> dict[str, Any]:
