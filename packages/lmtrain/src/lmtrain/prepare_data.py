@@ -238,7 +238,9 @@ def _prepare(
     prefix = out / Path(TOKENIZER_FILE).stem
     sample = out / ".tokenizer_sample.txt"
     try:
-        sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
+        with step(f"tokenizer: a sample of up to {sample_mb:g} MB spread over the training text", enabled=progress,
+                  bar=False):  # fmt: skip
+            sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
         if sample_bytes == 0:
             raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
         try:
