@@ -94,6 +94,14 @@ def test_the_run_ends_with_a_block_people_read_and_the_same_facts_as_json(run, t
     assert "lmtrain: run finished" not in lines and json.loads(lines[-1])["summary"]["step"] == 2
 
 
+def test_the_printed_run_carries_the_plans_warnings(run, tmp_path, capsys):
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}')
+    assert main(["train", "--data", str(run.parent / "data"), "--out", str(tmp_path / "r"), "--preset", "tiny",
+                 "--max-steps", "4", "--deepspeed", str(tmp_path / "ds.json"), "--print-config"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "# plan: warning: the learning rate stays at 0.0003 throughout" in printed, printed[:2000]
+
+
 def test_tensorboard_and_wandb_are_flags(run, tmp_path):
     plan = plan_of("--data", run.parent / "data", "--out", tmp_path / "r", "--tensorboard", "--wandb", "my-project")
     assert plan.train.tensorboard is True and plan.train.wandb_project == "my-project"

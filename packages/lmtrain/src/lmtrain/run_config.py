@@ -207,6 +207,7 @@ def plan_toml(plan: Any) -> str:
         f"# Model and settings from {'recipe ' + plan.recipe if plan.recipe else 'a model config file'}. A commented "
         "field shows the resolved value",
         "# and is left to the recipe and the plan; uncomment it to set it.",
+        *(f"# plan: {note}" for note in plan.notes),  # what the plan decided or warns of, warnings included
     ]
     for key in REQUEST_KEYS:
         value = getattr(request, key)
