@@ -26,6 +26,7 @@ values the plan resolved, and exits. :func:`request_values` reads a file; :func:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -41,23 +42,21 @@ from lmtrain.errors import LmtrainError
 REQUEST_KEYS = ("data", "out", "recipe", "model_config", "time_budget_s", "max_steps", "deepspeed",
                 "document_attention", "gpumon", "compile")  # fmt: skip
 PATH_KEYS = ("data", "out", "model_config", "deepspeed")
+# The kind of value each key takes; every other key takes a string.
 _KINDS: dict[str, tuple[type, ...]] = {
     "time_budget_s": (int, float),
     "max_steps": (int,),
     "document_attention": (bool,),
     "gpumon": (bool,),
     "compile": (bool,),
-}  # fmt: skip; every other key: a string
+}
 SECTIONS = {"model": "model", "train": "train", "data_config": "data"}  # table -> the --set prefix it stands for
-# run.json keys that hold no setting of a new run (what the first run measured or derived).
-_RUN_JSON_DERIVED = ("schedule", "plan", "eos_id", "vocab_size", "bytes_per_token", "n_params", "tokenizer_sha256",
-                     "world_size", "cpu_threads", "notes")  # fmt: skip
 # Sized by a time budget at launch: a run file taken from a budgeted run leaves them to the new run's budget.
 _BUDGET_SIZED = ("max_steps", "t_max", "schedule", "wsd_decay_steps", "warmup_steps")
 
 
 def read_run_file(path: str | Path) -> dict[str, Any]:
-    """The run file at ``path`` (TOML, or an earlier run's ``run.json``) as ``{TrainRequest field: value, ...,
+    """The run file at ``path`` (TOML, YAML, or an earlier run's ``run.json``) as ``{TrainRequest field: value, ...,
     "overrides": {"model.x": value, ...}}``; a file that does not parse, an unknown key or a value of the wrong kind
     is one LmtrainError naming it.
 
@@ -225,7 +224,7 @@ def plan_toml(plan: Any) -> str:
         lines.append(f"{key} = {_toml(value)}")
     budget_note = "  (sized to the time budget at launch)" if plan.budgeted and plan.measuring else ""
     for section, config in (("model", plan.model.to_dict()), ("train", plan.train.to_dict()),
-                            ("data_config", _asdict(plan.data))):  # fmt: skip
+                            ("data_config", dataclasses.asdict(plan.data))):  # fmt: skip
         lines += ["", f"[{section}]"]
         for name, value in config.items():
             if section == "train" and name == "time_budget_s":
@@ -236,12 +235,6 @@ def plan_toml(plan: Any) -> str:
                 text = f"# {text}{sized}"
             lines.append(text)
     return "\n".join(lines) + "\n"
-
-
-def _asdict(config: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(config)
 
 
 def _toml(value: Any) -> str:
