@@ -137,7 +137,8 @@ def run_section(doc: Path, section: str, workdir: Path, timeout_s: float = 1800.
     for name in ("tools", "packages"):
         if not (workdir / name).exists():
             (workdir / name).symlink_to(ROOT / name)
-    env = {**os.environ, "HOME": str(workdir / "home")}
+    # Unbuffered: the commands' stdout and stderr then reach the log in the order they were written.
+    env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONUNBUFFERED": "1"}
     for i, block in enumerate(blocks, 1):
         kept = [line for line in block.splitlines() if not SKIPPED.match(line)]
         for line in block.splitlines():
