@@ -228,7 +228,6 @@ def _prepare(
     from lmtrain.progress import step
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
     from tokbin.sample import write_sample
-    from tokbin.sources import PARQUET_EXTRA
 
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -275,13 +274,7 @@ def _prepare(
                 f"{exc}: --val-fraction {fraction} left a split without documents; use more text, another "
                 "fraction, or --val-text"
             ) from None
-        said = str(exc)
-        if "pyarrow" in said:  # tokbin names its distribution; from a checkout the directory is what installs
-            from trainloop.extras import install_hint
-
-            hint = install_hint("parquet", "lmtools-tokbin")
-            said = said.replace(PARQUET_EXTRA, hint) if PARQUET_EXTRA in said else f"{said} ({hint})"
-        raise LmtrainError(said) from None
+        raise LmtrainError(str(exc)) from None  # a missing pyarrow: tokbin's line names the command that installs it
     except ValueError as exc:
         raise LmtrainError(str(exc)) from None
     finally:
