@@ -161,9 +161,12 @@ def closing_block(summary: RunSummary, command_s: float | None = None) -> str:
     rows.append(("wall time", wall))
     plot = run_dir / "loss.png"
     rows.append(("plot", str(plot) if plot.is_file() else "none (no metrics)"))
-    rows.append(("next", f"lmtrain eval --run {run_dir} --text {Path(summary.plan.meta['val_path']).parent / 'val.txt'}"
-                         f"  |  lmtrain generate --run {run_dir} --prompt TEXT  |  lmtrain export --run "
-                         f"{run_dir} --out DIR"))  # fmt: skip
+    from lmtrain.demo import lmtrain_command
+
+    command, val_text = lmtrain_command(), Path(summary.plan.meta["val_path"]).parent / "val.txt"
+    rows += [("next", f"{command} eval --run {run_dir} --text {val_text}"),
+             ("", f"{command} generate --run {run_dir} --prompt TEXT"),
+             ("", f"{command} export --run {run_dir} --out DIR")]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(["lmtrain: run finished", *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
 
