@@ -150,3 +150,20 @@ def test_a_yaml_run_file_reads_as_the_toml_one(run, tmp_path, monkeypatch, capsy
     assert main(["train", "--config", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a YAML run file needs PyYAML, which is not installed: pip install" in err[0], err
+
+
+def test_the_printed_commands_reach_lmtrain_from_the_users_shell(tmp_path, monkeypatch):
+    import sys
+
+    from lmtrain.demo import lmtrain_command
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "lmtrain"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(script), "demo"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert lmtrain_command() == str(script.resolve())  # not on PATH: the full path, which works as printed
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert lmtrain_command() == "lmtrain"
