@@ -188,3 +188,4 @@ def test_missing_pyarrow_names_the_checkout_directory_once(tmp_path, capsys):
     hint = install_hint("parquet", "lmtools-tokbin")
     assert code == 2 and err.endswith(f"needs pyarrow: {hint}") and err.count("pip install") == 1, err
     assert not (tmp_path / "out").exists()
+

@@ -256,15 +256,16 @@ def _prepare(
         options = dict(read, workers=workers)
         if shard_mb is not None:
             options["shard_bytes"] = max(1, int(shard_mb * 1e6))
+        # The validation split first: usually the smaller one, and the one a held-out fraction of few documents
+        # leaves empty most often, which then fails before the long encoding of the training split, not after it.
+        val_inputs = val_texts or texts
+        val_options = {**options, "split_docs": fmt_text and split_docs} if val_texts else options
+        with step(f"encode: the validation split -> {out / names[1]}", enabled=progress) as bar:
+            val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, progress=bar,
+                                       **val_options)  # fmt: skip
         with step(f"encode: the training split -> {out / names[0]}", enabled=progress) as bar:
             train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, progress=bar,
                                          **options)  # fmt: skip
-        val_inputs = val_texts or texts
-        if val_texts:
-            options["split_docs"] = fmt_text and split_docs
-        with step(f"encode: the validation split -> {out / names[1]}", enabled=progress) as bar:
-            val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, progress=bar,
-                                       **options)  # fmt: skip
         val_text = out / VAL_TEXT_FILE
         if not any(Path(v).resolve() == val_text.resolve() for v in val_inputs):  # never overwrite an input
             _write_val_text(tokenizer, val.tokens, val_text)
