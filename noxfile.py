@@ -2,6 +2,8 @@
 
 `nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges and
 install lines, each package alone, integration). `nox -s demo` trains the embedded default.
+Sessions reuse their virtual environments (the integration one starts fresh each time);
+`nox -s clean` removes them all (.nox/).
 
 Sessions name a package by its directory under packages/ (`package(dist='tokbin')`);
 four distributions carry the `lmtools-` prefix because their import names belong to
@@ -37,7 +39,7 @@ TEST_EXTRAS = {
     "lmcore": ["hf", "gguf"],  # the Hugging Face and GGUF export tests skip without transformers/peft and gguf
     "trainloop": ["deepspeed", "plot", "tensorboard"],
     # harness: lm-eval and what it brings (datasets, pyarrow, scipy, scikit-learn, ...): 32 s and 556 MB measured
-    "lmtrain": ["hf", "gguf", "harness"],
+    "lmtrain": ["hf", "gguf", "harness", "yaml"],
 }
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]
@@ -150,7 +152,8 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11", tags=["ci"], reuse_venv=False)
 def integration(session: nox.Session) -> None:
     """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
-    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed)."""
+    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
+    among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
     _documented_install(session, ROOT / "README.md")
     listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
     foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
@@ -166,9 +169,29 @@ def integration(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
-    """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU."""
-    session.install(*_with_siblings("lmtrain"))
+    """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU. The hf extra comes with it, so
+    that the `lmtrain export` the demo prints next works as printed."""
+    session.install(*_with_siblings("lmtrain", ["hf"]))
     session.run("lmtrain", "demo", *session.posargs)
+    session.log(f"lmtrain is in {Path(session.bin) / 'lmtrain'} (source {Path(session.bin) / 'activate'} to put it on "
+                "PATH); `nox -s clean` removes this and every other nox venv")  # fmt: skip
+
+
+@nox.session(python=False)
+def clean(session: nox.Session) -> None:
+    """Remove .nox/, the virtual environments the sessions made and reuse (several GB after `nox -t ci`: torch,
+    DeepSpeed and their builds in each), saying how much that freed. CI runs it at the end (.ci/run)."""
+    import shutil
+
+    venvs = ROOT / ".nox"
+    if not venvs.is_dir():
+        session.log(f"{venvs}: nothing to remove")
+        return
+    size = sum(p.lstat().st_size for p in venvs.rglob("*") if p.is_file() and not p.is_symlink())
+    shutil.rmtree(venvs)
+    session.log(
+        f"removed {venvs} ({size / 2**30:.1f} GiB)" if size >= 2**30 else f"removed {venvs} ({size / 2**20:.0f} MiB)"
+    )
 
 
 @nox.session(python="3.11")

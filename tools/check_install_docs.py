@@ -7,12 +7,21 @@ pyproject.toml. The README lines themselves are run by `nox -s integration` (the
 `nox -s "package(dist='...')"` (the package's own first line).
 
 Exit 1 with one line per problem; exit 0 with a summary otherwise.
+
+`--run SECTION --workdir DIR` runs instead the ```bash blocks under the README heading `## SECTION` as written, each
+as one `bash -euo pipefail` script from DIR (the repository's tools/ and packages/ reached through links there), with
+HOME set to a fresh DIR/home: what a newcomer types after the install. `pip install` and `nox` lines are left out
+(the caller has installed the packages by the README's own line, and nox would start itself again); every other
+command must exit 0; their output goes on to stdout as they run. Exit 1 naming the first block that failed.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,7 +103,69 @@ def check_line(args: list[str], dirs: dict[str, str]) -> list[str]:
     return problems
 
 
+def section_blocks(doc: Path, section: str) -> list[str]:
+    """The ```bash blocks under the heading `## section` of ``doc`` (up to the next `## ` heading), as text."""
+    blocks: list[str] = []
+    inside = fenced = False
+    current: list[str] = []
+    for text in doc.read_text().splitlines():
+        if not fenced and text.startswith("## "):
+            inside = text[3:].strip() == section
+            continue
+        if inside and text.lstrip().startswith("```"):
+            if fenced:
+                blocks.append("\n".join(current) + "\n")
+                current = []
+            fenced = not fenced and text.strip() == "```bash"
+            continue
+        if inside and fenced:
+            current.append(text)
+    return blocks
+
+
+SKIPPED = re.compile(r"^\s*(?:python3? -m )?(?:pip install|nox)\b")
+
+
+def run_section(doc: Path, section: str, workdir: Path, timeout_s: float = 1800.0) -> int:
+    """Run the blocks of `section` (see the module docstring); 0 when every command exited 0."""
+    blocks = section_blocks(doc, section)
+    if not blocks:
+        print(f"{doc.relative_to(ROOT)}: no ```bash block under '## {section}'", file=sys.stderr)
+        return 1
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "home").mkdir(exist_ok=True)
+    for name in ("tools", "packages"):
+        if not (workdir / name).exists():
+            (workdir / name).symlink_to(ROOT / name)
+    # Unbuffered: the commands' stdout and stderr then reach the log in the order they were written.
+    env = {**os.environ, "HOME": str(workdir / "home"), "PYTHONUNBUFFERED": "1"}
+    for i, block in enumerate(blocks, 1):
+        kept = [line for line in block.splitlines() if not SKIPPED.match(line)]
+        for line in block.splitlines():
+            if SKIPPED.match(line):
+                print(f"block {i}: left out (the caller installed the packages): {line.strip()}", flush=True)
+        script = "\n".join(kept) + "\n"
+        print(f"block {i} of '## {section}':\n{script}", flush=True)
+        sys.stdout.flush()
+        # The commands' output goes straight on (stderr into stdout, in order): a long block shows its progress.
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env, stdout=sys.stdout,
+                                stderr=subprocess.STDOUT, timeout=timeout_s)  # fmt: skip
+        if result.returncode != 0:
+            print(f"{doc.relative_to(ROOT)}: block {i} of '## {section}' exited {result.returncode}", file=sys.stderr)
+            return 1
+    print(f"{doc.relative_to(ROOT)}: all {len(blocks)} blocks of '## {section}' ran as written")
+    return 0
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", metavar="SECTION", help="run the README section's ```bash blocks as written")
+    parser.add_argument("--workdir", type=Path, default=None, help="where --run runs them (a fresh directory)")
+    args = parser.parse_args()
+    if args.run:
+        if args.workdir is None:
+            parser.error("--run needs --workdir DIR (a fresh directory to run the commands in)")
+        return run_section(ROOT / "README.md", args.run, args.workdir)
     dirs = directories()
     problems, checked = [], 0
     for doc in DOCS:

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lmcore.extras import MissingExtraError, import_hf
+from lmcore.extras import MissingExtraError, import_hf, install_hint
 
 
 @pytest.mark.parametrize("module", ["transformers", "peft", "transformers.models.mpt"])
@@ -15,12 +15,12 @@ def test_missing_hf_library_is_one_line_naming_the_extra(module, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingExtraError) as err:
         import_hf(module, "export_hf")
-    assert str(err.value) == f"export_hf needs {top}, which is not installed: pip install 'lmtools-lmcore[hf]'"
+    assert str(err.value) == f"export_hf needs {top}, which is not installed: {install_hint('hf')}"
 
 
 def test_the_app_names_its_own_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(MissingExtraError, match=r"^lmtrain export needs transformers, .*'lmtrain\[hf\]'$"):
+    with pytest.raises(MissingExtraError, match=r"^lmtrain export needs transformers, .*lmtrain\[hf\]['\"]$"):
         import_hf("transformers", "lmtrain export", dist="lmtrain")
 
 
@@ -39,3 +39,28 @@ def test_an_installed_library_missing_its_own_dependency_keeps_that_error(monkey
 def test_only_the_hf_libraries_are_accepted():
     with pytest.raises(ValueError, match="provides transformers, peft only"):
         import_hf("torch", "export_hf")
+
+
+def test_install_hint_names_the_checkout_directory_pip_installed_from(monkeypatch, tmp_path):
+    import json
+    from importlib import metadata
+
+    checkout = tmp_path / "packages" / "PKG"
+    checkout.mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    recorded = {"none": None, "wheel": {"url": "https://example.org/x.whl", "archive_info": {}},
+                "dir": {"url": checkout.as_uri(), "dir_info": {}},
+                "editable": {"url": checkout.as_uri(), "dir_info": {"editable": True}}}  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    hints = {}
+    for kind, info in recorded.items():
+
+        class Dist:
+            def read_text(self, name, info=info):
+                return None if info is None else json.dumps(info)
+
+        monkeypatch.setattr(metadata, "distribution", lambda dist: Dist())
+        hints[kind] = install_hint("EXTRA", "dist-name")
+    assert hints["none"] == hints["wheel"] == "pip install 'dist-name[EXTRA]'"  # no checkout recorded
+    assert hints["dir"] == 'pip install "packages/PKG[EXTRA]"'
+    assert hints["editable"] == 'pip install -e "packages/PKG[EXTRA]"'

@@ -35,3 +35,16 @@ def test_ipv6_loopback_master_is_this_host(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     [check] = check_master([("::1", 2)])
     assert check.status != FAIL and "this host" in check.detail, check.line()
+
+
+def test_every_line_doctor_prints_is_a_check():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # DeepSpeed then logs which it picked
+    result = subprocess.run([sys.executable, "-m", "lmtrain", "doctor"], capture_output=True, text=True, timeout=300,
+                            env=env)  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert lines and all(line.split()[0] in ("OK", "WARN", "FAIL", "doctor:") for line in lines), result.stdout

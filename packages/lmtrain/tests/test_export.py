@@ -95,6 +95,27 @@ def test_custom_export_takes_a_model_mpt_cannot_express(run, tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(out)("a\n b", add_special_tokens=False)["input_ids"]
 
 
+def test_default_format_writes_mpt_where_the_model_maps_and_custom_code_otherwise(run, tmp_path, capsys):
+    from lmcore import GPT, ModelConfig
+
+    capsys.readouterr()
+    assert export("--run", run, "--out", tmp_path / "mpt") == 0  # no --format: hf
+    said = capsys.readouterr()
+    assert "wrote transformers' MPT" in said.err and "transformers' MPT; no custom code" in said.out
+    assert json.loads((tmp_path / "mpt" / "config.json").read_text())["model_type"] == "mpt"
+    torch.manual_seed(0)
+    biased = GPT(ModelConfig.from_dict({**ours(run).config.to_dict(), "bias": True})).eval()
+    other = variant_run(run, tmp_path / "run", {1: biased}, best=1)
+    assert export("--run", other, "--out", tmp_path / "custom", "--format", "hf") == 0
+    said = capsys.readouterr()
+    assert "wrote custom code" in said.err and "bias=True" in said.err, said.err
+    assert "trust_remote_code=True" in said.out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "custom", trust_remote_code=True).eval()
+    ids = torch.randint(0, biased.config.vocab_size, (1, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, biased(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["no checkpoint", "unknown format", "not empty", "does not map", "unigram"])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, case):
     from lmcore import GPT, ModelConfig
@@ -104,7 +125,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, 
         source = variant_run(run, tmp_path / "run", {})
         named = "no complete checkpoint"
     elif case == "unknown format":
-        fmt, named = "onnx", "--format 'onnx': expected one of hf, hf-custom"
+        fmt, named = "onnx", "--format 'onnx': expected one of hf, hf-mpt, hf-custom"
     elif case == "not empty":
         out.mkdir()
         (out / "keep.txt").write_text("mine")
@@ -112,7 +133,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, 
     elif case == "does not map":
         plain = GPT(ModelConfig.from_dict({**ours(run).config.to_dict(), "bias": True}))
         source = variant_run(run, tmp_path / "run", {1: plain}, best=1)
-        named = "bias=True (MPT: no biases)"
+        fmt, named = "hf-mpt", "bias=True (MPT: no biases)"
     else:  # a SentencePiece unigram model: transformers' Unigram matches control pieces inside text, SentencePiece not
         import tokbin
         from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
@@ -127,7 +148,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, 
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
     assert export("--run", source, "--out", out, "--format", fmt) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[lmtrain ")]
     assert len(err) == 1 and err[0].startswith("lmtrain export: error: ") and named in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing new beside DIR
     assert not out.exists() or [p.name for p in out.iterdir()] == ["keep.txt"]
@@ -183,8 +204,11 @@ def test_missing_hf_extra_is_one_line_naming_it(run, tmp_path, capsys, monkeypat
     capsys.readouterr()
     assert export("--run", run, "--out", tmp_path / "out", "--format", "hf") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["lmtrain export: error: lmtrain export needs transformers, which is not installed: "
-                   "pip install 'lmtrain[hf]'"]  # fmt: skip
+    from lmcore.extras import install_hint
+
+    hint = install_hint("hf", "lmtrain")
+    assert hint.startswith('pip install -e "') or hint.startswith('pip install "')  # the checkout, not the index
+    assert err == [f"lmtrain export: error: lmtrain export needs transformers, which is not installed: {hint}"]
     assert not (tmp_path / "out").exists()
 
 

@@ -94,3 +94,26 @@ def test_real_configs_accept_their_field_names():
     )
     assert (out["train"].save_every, out["train"].log_every, out["train"].precision) == (10, 1, "fp32")
     assert out["model"].n_layer == 3
+
+
+@pytest.mark.parametrize(("asked", "ours"), [("learning_rate", "lr"), ("gradient_accumulation_steps", "grad_accum"),
+                                             ("block_size", "seq_len"), ("n_embd", "d_model")])  # fmt: skip
+def test_unknown_key_suggests_our_name_for_the_same_setting_first(asked, ours):
+    from lmcore import ModelConfig
+    from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
+
+    configs = {"model": ModelConfig.from_preset("tiny"), "train": TrainConfig(), "data": DataConfig()}
+    with pytest.raises(OverrideError) as err:
+        apply_overrides([f"{asked}=1"], configs)
+    assert f"did you mean {ours}" in str(err.value), str(err.value)
+
+
+def test_every_synonym_names_a_real_field():
+    from lmcore import ModelConfig
+    from lmtrain.overrides import SYNONYMS
+    from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
+
+    fields = {f.name for c in (ModelConfig, TrainConfig, DataConfig) for f in dataclasses.fields(c)}
+    assert set(SYNONYMS.values()) <= fields and not set(SYNONYMS) & fields

@@ -215,3 +215,20 @@ def test_the_world_reports_what_the_planner_rules_need():
     world = _world()
     assert world.native_bf16 == (not torch.cuda.is_available() and lmcore.cpu_has_native_bf16())
     assert world.threads_now == torch.get_num_threads() and world.cpu_count >= 1
+
+
+def test_the_plan_warns_of_a_missing_end_a_run_past_a_day_and_a_flat_schedule(data, tmp_path):
+    def warnings(**request):
+        plan = plan_run(TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny", **request), _info(data),
+                        World(cpu_count=2, step_s={1: 1.0, 2: 2.0}))  # fmt: skip
+        return [line for line in plan.lines() if line.startswith("warning: ")]
+
+    unbounded = warnings(overrides={"max_steps": 100_000, "min_lr": 1e-5})
+    assert unbounded == ["warning: 100,000 steps at the measured 1.000 s/step take about 1.2 days on this CPU; "
+                         "--time-budget SECONDS bounds the run"]  # fmt: skip
+    assert any("no --time-budget or --max-steps: training the recipe's" in w for w in warnings())
+    assert warnings(max_steps=50, overrides={"min_lr": 1e-5}) == []
+    # The kit's DeepSpeed JSON sets lr 3e-4: the tiny recipe's min_lr is 3e-4 too, so nothing decays.
+    ds = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+    flat = warnings(max_steps=50, deepspeed=ds)
+    assert len(flat) == 1 and "the learning rate stays at 0.0003 throughout" in flat[0], flat

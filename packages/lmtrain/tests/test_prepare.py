@@ -119,6 +119,12 @@ def test_read_meta_rejects_escaping_paths_and_another_tokenizer(prepared, tmp_pa
         read_meta(data)
 
 
+def _parquet_dir(directory: Path) -> Path:
+    directory.mkdir()
+    (directory / "rows.parquet").write_bytes(b"PAR1")
+    return directory
+
+
 def _files(tmp_path: Path) -> dict:
     def put(name: str, data: bytes) -> Path:
         (tmp_path / name).write_bytes(data)
@@ -131,6 +137,8 @@ def _files(tmp_path: Path) -> dict:
         "no_field": put("nofield.jsonl", b'{"body": "a"}\n'),
         "num_field": put("num.jsonl", b'{"text": 3}\n'),
         "empty": put("empty.txt", b""),
+        "jsonl": put("docs.jsonl", b'{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n'),
+        "rows": _parquet_dir(tmp_path / "rows"),
         "one": put("one.txt", "\n".join(ln for ln in stdlib_text(20_000).splitlines() if ln.strip()).encode()),
     }
 
@@ -146,6 +154,9 @@ CASES = [
     (["--text", "{num_field}", "--jsonl-field", "text"], ["num.jsonl: line 1: field 'text': expected a string"]),
     (["--text", "{empty}"], ["empty.txt: empty input"]),
     (["--text", "{one}"], ["--val-fraction 0.1 left a split without documents"]),
+    (["--text", "{jsonl}"], ["docs.jsonl: looks like JSONL", "fields id, text", "add --jsonl-field text"]),
+    (["--text", "{corpus}", "--val-text", "{jsonl}"], ["--val-text", "docs.jsonl: looks like JSONL"]),
+    (["--text", "{rows}"], ["rows.parquet: looks like Parquet", "--parquet-column COLUMN"]),
     (["--text", "{tmp}/*.parquet", "--parquet-column", "text"], ["glob matches no file"]),
 ]
 
@@ -161,4 +172,19 @@ def test_bad_input_is_one_line(extra, words, corpus, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("lmtrain prepare: error: "), err
     for word in words:
         assert word in err, (word, err)
-    assert not (tmp_path / "out" / "meta.json").exists()
+    assert not (tmp_path / "out").exists()  # nothing left behind, late failures included
+
+
+def test_missing_pyarrow_names_the_checkout_directory_once(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("pyarrow") is not None:
+        pytest.skip("pyarrow is installed: the missing-extra line cannot show")
+    from trainloop.extras import install_hint
+
+    rows = _parquet_dir(tmp_path / "rows")
+    code = main(["prepare", "--text", str(rows), "--parquet-column", "text", "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    hint = install_hint("parquet", "lmtools-tokbin")
+    assert code == 2 and err.endswith(f"needs pyarrow: {hint}") and err.count("pip install") == 1, err
+    assert not (tmp_path / "out").exists()

@@ -332,7 +332,9 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, lossless_model):
         "    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "needs pyarrow: pip install 'lmtools-tokbin[parquet]'" in out.stdout, out.stderr
+    from tokbin.extras import install_hint
+
+    assert f"needs pyarrow: {install_hint('parquet')}" in out.stdout, out.stderr
     assert "x.parquet" in out.stdout
 
 
@@ -351,3 +353,26 @@ def test_created_files_follow_the_umask(tmp_path, lossless_model, corpus):
 def test_token_file_opens_after_encode(tmp_path, lossless_model, corpus):
     encode_files(lossless_model, [corpus], tmp_path / "o.bin", progress=False)
     assert TokenFile(tmp_path / "o.bin").vocab_size == 500
+
+
+def test_install_hint_names_the_checkout_directory_pip_installed_from(monkeypatch, tmp_path):
+    import json
+    from importlib import metadata
+
+    from tokbin.extras import install_hint
+
+    checkout = tmp_path / "packages" / "tokbin"
+    checkout.mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    monkeypatch.chdir(tmp_path)
+    for info, expected in ((None, "pip install 'lmtools-tokbin[parquet]'"),
+                           ({"url": checkout.as_uri(), "dir_info": {}}, 'pip install "packages/tokbin[parquet]"'),
+                           ({"url": checkout.as_uri(), "dir_info": {"editable": True}},
+                            'pip install -e "packages/tokbin[parquet]"')):  # fmt: skip
+
+        class Dist:
+            def read_text(self, name, info=info):
+                return None if info is None else json.dumps(info)
+
+        monkeypatch.setattr(metadata, "distribution", lambda dist: Dist())
+        assert install_hint("parquet") == expected

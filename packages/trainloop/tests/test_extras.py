@@ -14,7 +14,7 @@ from tiny_model import SeqData, TinyLM
 from trainloop import TrainConfig, Trainer, plot_metrics
 from trainloop.clipping import ClipGroups
 from trainloop.engine_deepspeed import DeepSpeedEngine
-from trainloop.extras import MissingExtraError
+from trainloop.extras import MissingExtraError, install_hint
 from trainloop.gradient_inspector import inspect_gradients
 from trainloop.metrics_logging import MetricsLogger
 
@@ -55,7 +55,7 @@ def test_deepspeed_missing_is_one_line_naming_the_extra(where, monkeypatch, tmp_
         else:
             DeepSpeedEngine(TinyLM(), cfg, torch.device("cpu"), None, 1)
     assert _one_line(str(err.value)) == (
-        f"TrainConfig.engine='deepspeed' needs deepspeed, which is not installed: pip install '{DIST}[deepspeed]'"
+        f"TrainConfig.engine='deepspeed' needs deepspeed, which is not installed: {install_hint('deepspeed')}"
     )
 
 
@@ -64,7 +64,7 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(monkeypatch, tmp_p
     _hide(monkeypatch, "matplotlib")
     with pytest.raises(MissingExtraError) as err:
         plot_metrics(metrics, tmp_path / "m.png")
-    assert _one_line(str(err.value)).endswith(f"needs matplotlib, which is not installed: pip install '{DIST}[plot]'")
+    assert _one_line(str(err.value)).endswith(f"needs matplotlib, which is not installed: {install_hint('plot')}")
     assert not (tmp_path / "m.png").exists()
 
 
@@ -75,7 +75,7 @@ def test_inspector_without_matplotlib_writes_the_table_and_warns_once(monkeypatc
     assert table == tmp_path / "grads_step7.tsv" and len(table.read_text().splitlines()) == 3
     assert not (tmp_path / "grads_step7.png").exists()
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith("trainloop: warning: ") and f"pip install '{DIST}[plot]'" in line
+    assert line.startswith("trainloop: warning: ") and install_hint("plot") in line
 
 
 def test_plots_leave_the_matplotlib_backend_and_pyplot_alone(tmp_path):
@@ -104,7 +104,7 @@ def test_logger_asked_for_but_missing_warns_one_line(module, extra, kwargs, monk
     logger.log({"step": 1, "loss": 2.0})
     logger.close()
     line = _one_line(capsys.readouterr().err)
-    assert line.startswith("trainloop: warning: ") and f"pip install '{DIST}[{extra}]'" in line
+    assert line.startswith("trainloop: warning: ") and install_hint(extra) in line
     assert logger.tb is None and logger.wandb is None
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0
     assert not (tmp_path / "tensorboard").exists()
@@ -158,3 +158,28 @@ def test_plot_leaves_out_a_line_cut_short_by_a_crash(tmp_path):
     with metrics.open("a") as f:
         f.write('{"step": 4, "lo')  # the process died mid-write
     assert plot_metrics(metrics, tmp_path / "m.png").stat().st_size > 0
+
+
+def test_install_hint_names_the_checkout_directory_pip_installed_from(monkeypatch, tmp_path):
+    import json
+    from importlib import metadata
+
+    checkout = tmp_path / "packages" / "PKG"
+    checkout.mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    recorded = {"none": None, "wheel": {"url": "https://example.org/x.whl", "archive_info": {}},
+                "dir": {"url": checkout.as_uri(), "dir_info": {}},
+                "editable": {"url": checkout.as_uri(), "dir_info": {"editable": True}}}  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    hints = {}
+    for kind, info in recorded.items():
+
+        class Dist:
+            def read_text(self, name, info=info):
+                return None if info is None else json.dumps(info)
+
+        monkeypatch.setattr(metadata, "distribution", lambda dist: Dist())
+        hints[kind] = install_hint("EXTRA", "dist-name")
+    assert hints["none"] == hints["wheel"] == "pip install 'dist-name[EXTRA]'"  # no checkout recorded
+    assert hints["dir"] == 'pip install "packages/PKG[EXTRA]"'
+    assert hints["editable"] == 'pip install -e "packages/PKG[EXTRA]"'

@@ -436,3 +436,21 @@ def test_a_run_directory_linking_outside_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="metrics.jsonl is a symbolic link to .*outside the run directory"):
         Trainer(TinyLM(), cfg, SeqData(8), run_dir=run)
     assert not (outside / "notes.txt").exists()
+
+
+def test_a_log_line_while_a_bar_is_showing_goes_through_tqdm_and_not_into_the_bar(capsys):
+    import io
+    import types
+    from unittest import mock
+
+    from tqdm import tqdm
+
+    from trainloop.trainer import Trainer
+
+    said = types.SimpleNamespace(is_main=True)
+    with tqdm(total=10, file=io.StringIO()) as bar, mock.patch.object(tqdm, "write") as write:
+        Trainer._say(said, "eval at step 3: loss 1.0 nats/token")
+        bar.update(1)
+    assert write.call_count == 1 and write.call_args.args[0].endswith("eval at step 3: loss 1.0 nats/token\n")
+    Trainer._say(said, "no bar now")  # without a bar: straight to stdout
+    assert capsys.readouterr().out.endswith("no bar now\n")

@@ -1,7 +1,8 @@
 """`gpumon plot`: timelines of a recording, one panel per metric kind and one line per GPU, with the marks.
 
-matplotlib is the ``plot`` extra (``pip install 'lmtools-gpumon[plot]'``). The figure is drawn on its own Agg canvas:
-no pyplot, no ``matplotlib.use``, so plotting never changes the backend of the program that calls it.
+matplotlib is the ``plot`` extra (``pip install "packages/gpumon[plot]"`` from a checkout). The figure is drawn on
+its own Agg canvas: no pyplot, no ``matplotlib.use``, so plotting never changes the backend of the program that
+calls it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ PANELS = [
 ]
 MAX_POINTS = 20_000  # per line; longer series keep each bucket's maximum so that peaks survive
 MAX_MARK_LINES = 200
-
-
-PLOT_INSTALL = "pip install 'lmtools-gpumon[plot]'"  # the distribution name: `gpumon` is another project's on PyPI
 
 
 class MissingExtraError(ImportError):
@@ -69,7 +67,9 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     except ModuleNotFoundError as exc:
         if not (exc.name or "").startswith("matplotlib"):
             raise
-        raise MissingExtraError(f"plotting needs matplotlib, which is not installed: {PLOT_INSTALL}") from exc
+        from gpumon.extras import install_hint
+
+        raise MissingExtraError(f"plotting needs matplotlib, which is not installed: {install_hint('plot')}") from exc
 
     rec = Recording(path)
     panels = []

@@ -4,6 +4,9 @@ extra for export to llama.cpp's GGUF; import them or fail in one line."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from pathlib import Path
 from types import ModuleType
 
 DIST = "lmtools-lmcore"  # the distribution name (the import name `lmcore` is another project's on PyPI)
@@ -18,7 +21,8 @@ class MissingExtraError(ImportError):
 
 def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
     """Import ``transformers`` or ``peft`` (or one of their submodules) for ``purpose``, or raise
-    :class:`MissingExtraError`: ``<purpose> needs transformers, which is not installed: pip install '<dist>[hf]'``.
+    :class:`MissingExtraError`: ``<purpose> needs transformers, which is not installed: pip install ...`` (the
+    line :func:`install_hint` gives).
 
     ``dist`` names the distribution whose ``hf`` extra the message tells to install (the app passes ``"lmtrain"``).
     An installed library that fails on one of its own imports keeps its original error.
@@ -29,7 +33,7 @@ def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
         >>> with mock.patch.dict(sys.modules, peft=None):
         ...     import_hf("peft", "the PEFT adapter export")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        lmcore.extras.MissingExtraError: the PEFT adapter export needs peft, ...: pip install 'lmtools-lmcore[hf]'
+        lmcore.extras.MissingExtraError: the PEFT adapter export needs peft, ...: pip install ...[hf]...
     """
     return import_extra(module, "hf", purpose, dist)
 
@@ -51,6 +55,44 @@ def import_extra(module: str, extra: str, purpose: str, dist: str = DIST) -> Mod
     except ModuleNotFoundError as exc:
         if exc.name is None or (exc.name != module and not module.startswith(exc.name + ".")):
             raise
-        raise MissingExtraError(
-            f"{purpose} needs {top}, which is not installed: pip install '{dist}[{extra}]'"
-        ) from exc
+        raise MissingExtraError(f"{purpose} needs {top}, which is not installed: {install_hint(extra, dist)}") from exc
+
+
+def install_hint(extra: str, dist: str = DIST) -> str:
+    """The ``pip install`` line that adds ``dist``'s ``extra`` from where the user stands: the checkout directory the
+    distribution was installed from, when pip recorded one (its ``direct_url.json``; ``-e`` for an editable install),
+    else the distribution name. The packages are not on the package index, so a name alone works only for a wheel
+    installed some other way.
+
+    Example (a distribution that is not installed at all):
+        >>> install_hint("hf", "no-such-distribution")
+        "pip install 'no-such-distribution[hf]'"
+    """
+    source, editable = _installed_from(dist)
+    if source is None:
+        return f"pip install '{dist}[{extra}]'"
+    try:
+        shown = os.path.relpath(source)
+        shown = shown if not shown.startswith("..") else str(source)
+    except ValueError:
+        shown = str(source)
+    return f'pip install {"-e " if editable else ""}"{shown}[{extra}]"'
+
+
+def _installed_from(dist: str) -> tuple[Path | None, bool]:
+    """(the local directory ``dist`` was installed from, whether editably), or (None, False)."""
+    from importlib import metadata
+    from urllib.parse import unquote, urlparse
+
+    try:
+        recorded = metadata.distribution(dist).read_text("direct_url.json")
+        info = json.loads(recorded or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        return None, False
+    url = urlparse(str(info.get("url", "")))
+    if url.scheme != "file" or "dir_info" not in info:
+        return None, False
+    source = Path(unquote(url.path))
+    if not (source / "pyproject.toml").is_file():
+        return None, False  # built from a directory that is gone
+    return source, bool(info["dir_info"].get("editable"))

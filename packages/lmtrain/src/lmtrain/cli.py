@@ -76,8 +76,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         description="Single process by default; under torchrun or the deepspeed launcher it trains on all ranks "
         "(RANK, WORLD_SIZE, LOCAL_RANK from the environment).",
     )
-    p.add_argument("--data", required=True, metavar="DATA_DIR", help="directory written by `lmtrain prepare`")
-    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory (metrics, checkpoints, plots)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="run.toml",
+        help="a run file holding the whole run (data, out, recipe, budget, DeepSpeed JSON, [model]/[train]/"
+        "[data_config] fields), or an earlier run's run.json; the flags below override it",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged run (flags over --config over the recipe) as a run file and exit, training nothing",
+    )
+    p.add_argument("--json", action="store_true", help="end with the summary as one JSON object instead of a block")
+    p.add_argument("--data", default=None, metavar="DATA_DIR", help="directory written by `lmtrain prepare`")
+    p.add_argument("--out", default=None, metavar="RUN_DIR", help="run directory (metrics, checkpoints, plots)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", default=None, help="lmcore preset name (default cpu-small)")
     model.add_argument("--model-config", default=None, metavar="config.json", help="model config JSON file")
@@ -121,7 +134,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
-        "--gpumon", action="store_true", help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.csv"
+        "--gpumon",
+        action="store_true",
+        help="record GPU (or host) metrics with gpumon into RUN_DIR/gpumon.HOST.csv (one file per node)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log to TensorBoard event files in RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`; the "
+        "tensorboard extra); RUN_DIR/loss.png is redrawn at every evaluation either way",
+    )
+    p.add_argument(
+        "--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases under PROJECT (the wandb extra)"
     )
     p.add_argument(
         "--document-attention",
@@ -236,18 +260,20 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face model directory (with its tokenizer)",
-        description="Write a checkpoint of the run as a directory transformers loads: --format hf is transformers' "
-        "own MPT (no custom code; models without biases, LayerNorm, GELU, d_ff = 4 d_model, no GQA), --format "
-        "hf-custom carries its own code (trust_remote_code=True; any model). The tokenizer is converted and checked "
-        "to give the same ids. Needs the hf extra (transformers, peft).",
+        description="Write a checkpoint of the run as a directory transformers loads: --format hf (the default) "
+        "writes transformers' own MPT where the model maps onto it (no custom code; models without biases, "
+        "LayerNorm, GELU, d_ff = 4 d_model, no GQA) and its own code otherwise (trust_remote_code=True), saying "
+        "which; --format hf-mpt insists on MPT, --format hf-custom on the custom code. The tokenizer is converted "
+        "and checked to give the same ids. Needs the hf extra (transformers, peft).",
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (must be empty unless --force)")
     p.add_argument(
         "--format",
-        required=True,
-        metavar="hf|hf-custom|gguf",
-        help="hf (MPT), hf-custom (own code) or gguf (one file for llama.cpp; --out NAME.gguf; needs the gguf extra)",
+        default="hf",
+        metavar="hf|hf-mpt|hf-custom|gguf",
+        help="hf (default): MPT where the model maps, else custom code; hf-mpt: MPT or an error; hf-custom: own "
+        "code; gguf: one file for llama.cpp (--out NAME.gguf; needs the gguf extra)",
     )
     p.add_argument("--outtype", default="f16", metavar="f16|f32", help="gguf: weights in f16 (default) or f32")
     _add_checkpoint_flags(p)

@@ -108,13 +108,43 @@ def tiny_run(directory: str | os.PathLike, steps: int = 4) -> Path:
     return run
 
 
+# Python source a model of this size learns to continue within minutes: a method header whose body is predictable.
+DEMO_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self."
+
+
+def lmtrain_command() -> str:
+    """How the user reaches this `lmtrain` from their shell: ``lmtrain`` when that name on PATH is this one, else
+    the path of the script that is running, or of this environment's script (a nox or virtual environment that is
+    not activated), else ``python -m lmtrain`` with this interpreter.
+    """
+    import shlex
+    import shutil
+    import sys
+
+    running = Path(sys.argv[0]) if sys.argv and Path(sys.argv[0]).name == "lmtrain" else None
+    beside = Path(sys.executable).parent / "lmtrain"
+    found = shutil.which("lmtrain")
+    for script in (running, beside):
+        if script is not None and script.is_file():
+            if found is not None and Path(found).resolve() == script.resolve():
+                return "lmtrain"
+            return shlex.quote(str(script.resolve()))
+    return f"{shlex.quote(sys.executable)} -m lmtrain"
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """The `lmtrain demo` command."""
+    import shlex
+    import sys
+
+    import torch
+
+    from lmcore import GPT, ModelConfig
     from lmtrain.evaluate import evaluate_text
     from lmtrain.prepare_data import prepare
     from lmtrain.recipes import DEFAULT_RECIPE
     from lmtrain.run_files import load_tokenizer, load_trained_model
-    from lmtrain.sample import generate_text
+    from lmtrain.sample import continue_text
     from lmtrain.train_run import train
 
     if not math.isfinite(args.time_budget) or args.time_budget <= 0:
@@ -127,28 +157,44 @@ def run_demo(args: argparse.Namespace) -> int:
     info = build_corpus(corpus)
     print(f"[1/5] corpus: {info['bytes'] / 1e6:.1f} MB of Python standard library source from {info['files']} of "
           f"{info['available_files']} files -> {corpus}", flush=True)  # fmt: skip
-    meta = prepare([corpus], data, val_fraction=DEMO_VAL_FRACTION, progress=False)
+    meta = prepare([corpus], data, val_fraction=DEMO_VAL_FRACTION, progress=not args.no_progress)
     print(
         f"[2/5] prepare: tokenizer (vocab {meta['vocab_size']}) and token files: {meta['train']['tokens']:,} train / "
         f"{meta['val']['tokens']:,} val tokens, {meta['bytes_per_token']:.2f} bytes per token -> {data}",
         flush=True,
     )
-    print(f"[3/5] train: {DEFAULT_RECIPE} on CPU for {args.time_budget:.0f} s", flush=True)
+    print(f"[3/5] train: {DEFAULT_RECIPE} on CPU, time budget {args.time_budget:.0f} s (its setup and evaluations "
+          "included)", flush=True)  # fmt: skip
     # --overwrite: a second demo into the same directory starts over.
-    train(data, run, recipe=DEFAULT_RECIPE, time_budget_s=args.time_budget, overwrite=True)
+    summary = train(data, run, recipe=DEFAULT_RECIPE, time_budget_s=args.time_budget, overwrite=True)
     model, run_info, checkpoint = load_trained_model(run)
     sp = load_tokenizer(run)
+    # The same model before training: the run's configuration and seed give its step-0 weights.
+    torch.manual_seed(int(run_info["train_config"]["seed"]))
+    untrained = GPT(ModelConfig.from_dict(run_info["model_config"])).eval()
     val_text = (data / "val.txt").read_text(encoding="utf-8")[:DEMO_EVAL_CHARS]
-    seq_len = run_info["data_config"]["seq_len"]
-    result = evaluate_text(model, sp, val_text, context=seq_len, stride=seq_len // 2, eos_id=run_info.get("eos_id"))
-    print(f"[4/5] eval on {len(val_text):,} held-out characters: {result['bits_per_byte']:.3f} bits per byte, "
-          f"token perplexity {result['token_ppl']:.1f} ({checkpoint})", flush=True)  # fmt: skip
-    sample = generate_text(str(run), "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
-    print("[5/5] sample (prompt 'def '):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+    seq_len, eos_id = run_info["data_config"]["seq_len"], run_info.get("eos_id")
+    scores = [evaluate_text(m, sp, val_text, context=seq_len, stride=seq_len // 2, eos_id=eos_id)["bits_per_byte"]
+              for m in (untrained, model)]  # fmt: skip
+    print(f"[4/5] eval on held-out source ({len(val_text):,} characters never trained on): {scores[1]:.3f} bits "
+          f"per byte after training, {scores[0]:.3f} before ({checkpoint.name})", flush=True)  # fmt: skip
+    samples = [continue_text(m, sp, DEMO_PROMPT, eos_id, 60, temperature=0.0) for m in (untrained, model)]
+    rule = "-" * 60
+    print(f"[5/5] sample: the same prompt, continued greedily before and after training:\n{rule}\nbefore:\n"
+          f"{samples[0]}\n{rule}\nafter {summary.step:,} steps:\n{samples[1]}\n{rule}")  # fmt: skip
+    command = lmtrain_command()
+    where = Path(sys.executable).parent
+    reach = "" if command == "lmtrain" else (
+        f"`lmtrain` is not on your PATH: it is in {where}/. Run it by that path as below, or put it on PATH first: "
+        f"source {shlex.quote(str(where / 'activate'))}\n"
+    )  # fmt: skip
     print(
-        f"done in {time.perf_counter() - t0:.0f} s. Everything is under {out}/:\n"
-        f"  corpus      {corpus}\n  data        {data}/ (meta.json, tokenizer.model, train.bin, val.bin)\n"
-        f"  run         {run}/ (run.json, metrics.jsonl, checkpoints/)\n  loss plot   {run / 'loss.png'}\n"
-        f"next: lmtrain generate --run {run} --prompt 'class '  |  lmtrain eval --run {run} --text FILE"
+        f"done in {time.perf_counter() - t0:.0f} s ({summary.wall_s:.0f} s of them training). Everything is under "
+        f"{out}/:\n  corpus      {corpus}\n  data        {data}/ (meta.json, tokenizer.model, train.bin, val.bin, "
+        f"val.txt)\n  run         {run}/ (run.json, metrics.jsonl, checkpoints/)\n  loss plot   {run / 'loss.png'}\n"
+        f"{reach}next:\n"
+        f"  {command} generate --run {shlex.quote(str(run))} --prompt 'def main():' --seed 0\n"
+        f"  {command} eval --run {shlex.quote(str(run))} --text {shlex.quote(str(data / 'val.txt'))}\n"
+        f"  {command} export --run {shlex.quote(str(run))} --out {shlex.quote(str(out / 'hf'))}"
     )
     return 0

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import errno
 import importlib
+import io
 import ipaddress
 import os
 import platform
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmtrain.errors import LmtrainError
+from trainloop.extras import install_hint
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 GiB = 2**30
@@ -152,12 +154,14 @@ def check_versions() -> list[Check]:
     checks.append(Check(OK if ok else FAIL, "python", py, "use Python 3.10 or newer"))
     for module, required in (("torch", True), ("deepspeed", False), ("triton", False)):
         try:
-            mod = importlib.import_module(module)
+            # DeepSpeed logs to stdout while it imports ("Setting accelerator to CPU ..."): one line per check here.
+            with contextlib.redirect_stdout(io.StringIO()):
+                mod = importlib.import_module(module)
             checks.append(Check(OK, module, getattr(mod, "__version__", "?")))
         except Exception as exc:  # deepspeed raises more than ImportError when its accelerator is broken
             status = FAIL if required else WARN
             why = "needed for --deepspeed" if module == "deepspeed" else "needed for the fused GPU attention kernel"
-            install = "pip install 'lmtrain[deepspeed]'" if module == "deepspeed" else f"pip install {module}"
+            install = install_hint("deepspeed", "lmtrain") if module == "deepspeed" else f"pip install {module}"
             fix = f"{install} ({why})" if not required else "pip install torch"
             checks.append(Check(status, module, f"not importable: {str(exc).splitlines()[0][:120]}", fix))
     return checks

@@ -115,6 +115,16 @@ def window_plan(n_targets: int, context: int, stride: int, offset: int = 0) -> l
     return plan
 
 
+def window_batches(n_targets: int, context: int, stride: int, offset: int = 0,
+                   batch_size: int = 8) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+    """The batches of windows that score ``n_targets`` targets: windows of equal length batch together (at most the
+    first and the last differ), ``batch_size`` at a time."""
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for window in window_plan(n_targets, context, stride, offset):
+        groups.setdefault(window[1] - window[0], []).append(window)
+    return [windows[i : i + batch_size] for windows in groups.values() for i in range(0, len(windows), batch_size)]
+
+
 @torch.no_grad()
 def sliding_window_nll(
     model: torch.nn.Module,
@@ -126,8 +136,11 @@ def sliding_window_nll(
     batch_size: int = 8,
     rank: int = 0,
     world_size: int = 1,
+    progress: Any = None,
 ) -> tuple[float, int]:
     """(sum of negative log-likelihoods in nats, number of scored tokens) of `tokens[1:]` given what precedes.
+
+    ``progress`` (a :class:`lmtrain.progress.Progress`, optional) hears of every batch this rank scores.
 
     With `world_size` > 1 (an initialised process group) this rank scores batches rank, rank + world_size, ...
     and the sums are all-reduced, so every rank returns the whole text's figures.
@@ -149,12 +162,7 @@ def sliding_window_nll(
     if n_targets < 1:
         raise LmtrainError("the text encodes to no token to score")
     device = next(model.parameters()).device
-    plan = window_plan(n_targets, context, stride, offset)
-    # Windows of equal length batch together; at most the first and the last differ.
-    groups: dict[int, list[tuple[int, int, int]]] = {}
-    for window in plan:
-        groups.setdefault(window[1] - window[0], []).append(window)
-    batches = [windows[i : i + batch_size] for windows in groups.values() for i in range(0, len(windows), batch_size)]
+    batches = window_batches(n_targets, context, stride, offset, batch_size)
     # Summed in float64 on the device: one host read at the end, and the order of the sums (which batches a rank
     # got) changes the total only at float64 rounding.
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -168,6 +176,8 @@ def sliding_window_nll(
         nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="none")
         total += nll.double().sum()
         count += (targets != -100).sum()
+        if progress is not None:
+            progress.update()
     sums = torch.stack([total, count]).cpu()
     if world_size > 1:
         from trainloop.distributed import all_reduce_sum
@@ -217,8 +227,11 @@ def evaluate_text(
     seeds: list[int] | None = None,
     rank: int = 0,
     world_size: int = 1,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Evaluate `text`; with repeats or seeds, also the mean and standard deviation of each metric.
+
+    ``progress`` reports the batches scored (a bar on a terminal, timestamped lines otherwise: lmtrain.progress).
 
     Each seed shifts the window grid by an offset drawn from [0, stride) (seed 0 without --seeds: no shift) and
     seeds torch; each repeat re-runs the same windows (on CPU the repeats agree exactly; on GPU they measure the
@@ -245,13 +258,21 @@ def evaluate_text(
     """
     ids, lossless = encode_for_eval(sp, text, eos_id)
     stats = text_stats(text)
+    from lmtrain.progress import Progress
+
     runs: list[dict[str, Any]] = []
-    for seed in seeds if seeds else [None]:
-        offset = 0 if seed is None else random.Random(seed).randrange(stride)
-        for r in range(repeat):
-            torch.manual_seed(0 if seed is None else seed)
-            nll, n = sliding_window_nll(model, ids, context, stride, offset=offset, rank=rank, world_size=world_size)
-            runs.append({"seed": seed, "repeat": r, "offset": offset, **metrics_from_nll(nll, n, stats)})
+    chosen: list[int | None] = list(seeds) if seeds else [None]
+    offsets = [(seed, 0 if seed is None else random.Random(seed).randrange(stride)) for seed in chosen]
+    n_targets = max(1, ids.numel() - 1)
+    total = repeat * sum(len(window_batches(n_targets, context, stride, off)[rank::world_size]) for _, off in offsets)
+    with Progress(f"eval ({stats['bytes']:,} bytes, {n_targets:,} tokens)", total, unit="batches",
+                  enabled=progress) as bar:  # fmt: skip
+        for seed, offset in offsets:
+            for r in range(repeat):
+                torch.manual_seed(0 if seed is None else seed)
+                nll, n = sliding_window_nll(model, ids, context, stride, offset=offset, rank=rank,
+                                            world_size=world_size, progress=bar)  # fmt: skip
+                runs.append({"seed": seed, "repeat": r, "offset": offset, **metrics_from_nll(nll, n, stats)})
     result: dict[str, Any] = {
         "tokens": len(ids) - (1 if len(ids) and eos_id is not None and eos_id >= 0 else 0),
         **stats,
@@ -331,7 +352,7 @@ def run_eval(args: argparse.Namespace) -> int:
         stride = args.stride if args.stride is not None else max(1, context // 2)
         result = evaluate_text(
             model, sp, text, context=context, stride=stride, eos_id=run.get("eos_id"), repeat=args.repeat,
-            seeds=args.seeds, rank=rank, world_size=world_size,
+            seeds=args.seeds, rank=rank, world_size=world_size, progress=rank == 0,
         )  # fmt: skip
     finally:
         if world_size > 1 and dist.is_initialized():
@@ -350,8 +371,13 @@ def run_eval(args: argparse.Namespace) -> int:
         )
         print(
             f"{path}: {result['tokens']:,} tokens, {result['bytes']:,} bytes, {result['words']:,} words\n"
-            f"loss {result['loss']:.4f} nats/token, token ppl {result['token_ppl']:.2f}, "
-            f"bits/byte {result['bits_per_byte']:.4f}{spread}, word ppl {result['word_ppl']:.2f}\n"
+            f"loss {result['loss']:.4f} nats/token, token ppl {_figure(result['token_ppl'])}, "
+            f"bits/byte {result['bits_per_byte']:.4f}{spread}, word ppl {_figure(result['word_ppl'])}\n"
             f"checkpoint {checkpoint}, context {context}, stride {stride}, {device} {args.dtype}, {world_size} rank(s)"
         )
     return 0
+
+
+def _figure(value: float) -> str:
+    """A perplexity to 4 significant digits: ``207.8``, ``2.514e+07`` (not ``25135697.54``)."""
+    return f"{value:.4g}"

@@ -1,10 +1,11 @@
 """`lmtrain export`: a run's checkpoint as a Hugging Face directory, with a tokenizer that gives our ids.
 
-`--format hf` writes transformers' own MPT (`config.json` with `model_type: mpt`, `model.safetensors`), which
-`AutoModelForCausalLM.from_pretrained(DIR)` loads with no custom code; only models inside MPT's shape map (no
-biases, LayerNorm, GELU with d_ff = 4 * d_model, n_kv_head = n_head, tied embeddings, fixed slopes, no document
-separator), anything else is refused naming the fields. `--format hf-custom` takes any model: the directory
-carries its own code (`trust_remote_code=True`). LoRA adapters (in the checkpoint, or `--lora FILE` from
+`--format hf` (the default) writes transformers' own MPT when the model maps onto it and the custom-code layout
+otherwise, and says which it wrote and why. `--format hf-mpt` writes MPT (`config.json` with `model_type: mpt`,
+`model.safetensors`), which `AutoModelForCausalLM.from_pretrained(DIR)` loads with no custom code; only models inside
+MPT's shape map (no biases, LayerNorm, GELU with d_ff = 4 * d_model, n_kv_head = n_head, tied embeddings, fixed
+slopes, no document separator), anything else is refused naming the fields. `--format hf-custom` takes any model:
+the directory carries its own code (`trust_remote_code=True`). LoRA adapters (in the checkpoint, or `--lora FILE` from
 `save_lora`) go to `DIR/adapter` in PEFT's layout on top of the MPT base, or are folded in with `--merge-lora`.
 
 The tokenizer is the run's SentencePiece model converted by transformers' own converter into `tokenizer.json`;
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -38,7 +40,7 @@ from typing import Any
 
 from lmtrain.errors import LmtrainError
 
-FORMATS = ("hf", "hf-custom", "gguf")
+FORMATS = ("hf", "hf-mpt", "hf-custom", "gguf")  # hf: MPT where the model maps, else hf-custom
 GGUF_TYPES = ("f32", "f16")
 # How llama.cpp's converter recognises the architecture (transformers' class is MptForCausalLM).
 MPT_ARCHITECTURE = "MPTForCausalLM"
@@ -212,11 +214,16 @@ def export_run(
     tokenizer: bool = True,
     gguf_type: str = "f16",
     on_note: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> Path:
-    """Export the run's `checkpoint` to `out` in `fmt` ("hf", "hf-custom" or "gguf"); returns the checkpoint
-    exported. A gguf `out` is one file NAME.gguf, in `gguf_type` ("f16" or "f32"); the others are directories.
+    """Export the run's `checkpoint` to `out` in `fmt`; returns the checkpoint exported.
+
+    `fmt` "hf" writes MPT when the model maps onto it and the custom-code layout otherwise (`on_note` hears which and
+    why), "hf-mpt" writes MPT or refuses naming the fields that do not map, "hf-custom" writes the custom-code layout,
+    "gguf" one file NAME.gguf of llama.cpp's MPT in `gguf_type` ("f16" or "f32").
 
     `verify` ("sizes" or "full") says how the checkpoint is checked first, as `load_trained_model` takes it.
+    `progress` writes a timestamped line as each long step (the tokenizer's check, the weights) starts and ends.
 
     Example (needs the hf extra; `tiny_run`: 4 steps of the tiny preset without biases, which maps onto MPT):
         >>> import os, tempfile, torch
@@ -236,6 +243,7 @@ def export_run(
         ('MptForCausalLM', True)
         >>> work.cleanup()
     """
+    from lmtrain.progress import step
     from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer, load_trained_model
 
     if fmt not in FORMATS:
@@ -269,24 +277,25 @@ def export_run(
             said = str(exc)  # lmcore's messages begin with the file's path
             raise LmtrainError(f"--lora {said}" if said.startswith(str(lora)) else f"--lora {lora}: {said}") from None
     from lmcore import merge_lora as merge
+    from lmcore.hf_mpt import mpt_mismatches
     from lmcore.lora import lora_modules
 
+    bad = mpt_mismatches(model.config)
+    asked, fmt = fmt, written_format(fmt, bad)
+    if asked == "hf-mpt" and bad:
+        raise LmtrainError(
+            f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
+            "export with --format hf-custom or hf (loads with trust_remote_code=True)"
+        )
     if lora_modules(model):
         if merge_lora:
             merge(model)
         elif fmt in ("hf-custom", "gguf"):
-            raise LmtrainError(f"--format {fmt} takes no separate adapters: add --merge-lora to fold them in")
+            why = f" (the model does not map onto MPT: {'; '.join(bad)})" if asked == "hf" else ""
+            raise LmtrainError(f"--format {asked} writes {'custom code' if fmt == 'hf-custom' else 'one file'}{why}, "
+                               "which takes no separate adapters: add --merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
-    if fmt == "hf":
-        from lmcore.hf_mpt import mpt_mismatches
-
-        bad = mpt_mismatches(model.config)
-        if bad:
-            raise LmtrainError(
-                f"{path}: the model does not map onto transformers' MPT ({'; '.join(bad)}): "
-                "export with --format hf-custom (loads with trust_remote_code=True)"
-            )
     if fmt == "gguf":
         from lmcore.gguf_mpt import gguf_mismatches
 
@@ -321,11 +330,20 @@ def export_run(
             return path
         if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
             sp_path = Path(run_dir) / TOKENIZER_FILE
-            _write_tokenizer(sp, sp_path, tmp, trained_context, document_start)
+            with step("export: the tokenizer converted and checked against SentencePiece", enabled=progress, bar=False):
+                _write_tokenizer(sp, sp_path, tmp, trained_context, document_start)
             shutil.copyfile(sp_path, tmp / TOKENIZER_FILE)  # what llama.cpp's converter reads the vocabulary from
-        _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
+        with step(f"export: the weights ({fmt.removeprefix('hf-')} layout) -> {out}", enabled=progress, bar=False):
+            _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
         _follow_umask(tmp)
         _replace(tmp, out)
+        if on_note is not None and asked == "hf":
+            on_note(
+                "wrote transformers' MPT (loads with no custom code)"
+                if fmt == "hf-mpt"
+                else "wrote custom code (loads with trust_remote_code=True): the model does not map onto "
+                f"transformers' MPT ({'; '.join(bad)})"
+            )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # deepest first
@@ -333,6 +351,18 @@ def export_run(
                 p.rmdir()
         raise
     return path
+
+
+def written_format(fmt: str, mismatches: list[str]) -> str:
+    """The layout `--format fmt` writes for a model with these MPT `mismatches`: "hf-mpt" or "hf-custom".
+
+    Example:
+        >>> written_format("hf", []), written_format("hf", ["bias=True"]), written_format("hf-custom", [])
+        ('hf-mpt', 'hf-custom', 'hf-custom')
+    """
+    if fmt == "hf":
+        return "hf-custom" if mismatches else "hf-mpt"
+    return fmt
 
 
 def _write_tokenizer(
@@ -383,10 +413,13 @@ def run_export(args: argparse.Namespace) -> int:
         tokenizer=not args.no_tokenizer,
         gguf_type=args.outtype,
         on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
+        progress=True,
     )
     if args.format == "gguf":
         print(f"exported {checkpoint} to {args.out} (gguf {args.outtype}; llama.cpp's MPT)")
         return 0
-    load = "trust_remote_code=True" if args.format == "hf-custom" else "no custom code"
-    print(f"exported {checkpoint} to {args.out} ({args.format}; AutoModelForCausalLM.from_pretrained, {load})")
+    custom = "auto_map" in json.loads((Path(args.out) / "config.json").read_text())
+    what = "custom code; trust_remote_code=True" if custom else "transformers' MPT; no custom code"
+    print(f"exported {checkpoint} to {args.out} ({what}: AutoModelForCausalLM.from_pretrained({str(args.out)!r}"
+          f"{', trust_remote_code=True' if custom else ''}))")  # fmt: skip
     return 0

@@ -19,6 +19,28 @@ from typing import Any
 
 from lmtrain.errors import OverrideError
 
+# Names other tools (nanoGPT, transformers' TrainingArguments, DeepSpeed, litgpt, torchtitan) give the same setting:
+# an unknown key that is one of these is answered with our name first, before the near matches by spelling.
+SYNONYMS = {
+    "learning_rate": "lr", "max_lr": "lr", "peak_lr": "lr", "eta_min": "min_lr", "min_learning_rate": "min_lr",
+    "lr_warmup_steps": "warmup_steps", "warmup_iters": "warmup_steps", "warmup": "warmup_steps",
+    "lr_decay_iters": "t_max", "decay_steps": "t_max", "max_iters": "max_steps", "steps": "max_steps",
+    "train_steps": "max_steps", "batch_size": "micro_batch", "micro_batch_size": "micro_batch",
+    "per_device_train_batch_size": "micro_batch", "train_micro_batch_size_per_gpu": "micro_batch",
+    "gradient_accumulation_steps": "grad_accum", "grad_accum_steps": "grad_accum", "max_grad_norm": "clip",
+    "grad_clip": "clip", "gradient_clipping": "clip", "adam_beta1": "beta1", "adam_beta2": "beta2",
+    "adam_epsilon": "eps", "eval_interval": "eval_every", "eval_steps": "eval_every", "log_interval": "log_every",
+    "logging_steps": "log_every", "save_steps": "save_every", "checkpoint_interval": "save_every",
+    "block_size": "seq_len", "max_seq_len": "seq_len", "seq_length": "seq_len", "context": "seq_len",
+    "n_embd": "d_model", "hidden_size": "d_model", "dim": "d_model", "n_layers": "n_layer",
+    "num_layers": "n_layer", "num_hidden_layers": "n_layer", "n_heads": "n_head", "num_heads": "n_head",
+    "num_attention_heads": "n_head", "n_kv_heads": "n_kv_head", "num_key_value_heads": "n_kv_head",
+    "intermediate_size": "d_ff", "ffn_dim": "d_ff", "max_position_embeddings": "context_length",
+    "dropout_rate": "dropout", "dtype": "precision", "mixed_precision": "precision", "bf16": "precision",
+    "fp16": "precision", "random_seed": "seed", "zero_optimization": "zero_stage",
+    "patience": "early_stopping_patience",
+    "wandb": "wandb_project", "tb": "tensorboard", "num_threads": "cpu_threads", "threads": "cpu_threads",
+}  # fmt: skip
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -166,7 +188,8 @@ def targets(
     key: str, configs: Mapping[str, Any], types_by_config: Mapping[str, Mapping[str, Any]] | None = None
 ) -> list[tuple[str, str]]:
     """(config name, field name) pairs that `key` sets: `section.field` sets that section's field; a bare name sets
-    every config that has it. An unknown key is an OverrideError listing the near matches.
+    every config that has it. An unknown key is an OverrideError naming our field for another tool's name of the same
+    setting (:data:`SYNONYMS`: ``learning_rate`` -> ``lr``), then the near matches by spelling.
 
     Example:
         >>> @dataclasses.dataclass
@@ -183,6 +206,9 @@ def targets(
     if not hit:
         known = sorted({f for t in sections for f in types_by_config[t]})
         near = difflib.get_close_matches(name, known, n=4, cutoff=0.5)
+        meant = SYNONYMS.get(name.lower().replace("-", "_"))
+        if meant in known:  # by meaning first, then by spelling
+            near = [meant, *(n for n in near if n != meant)][:4]
         hint = f"; did you mean {', '.join(near)}?" if near else ""
         raise OverrideError(
             f"--set {key}: no field {name!r} in the {' or '.join(sections)} config{hint} (known fields: "

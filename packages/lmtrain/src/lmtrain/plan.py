@@ -364,12 +364,50 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
             regularisation = {"passes": training_passes(data.train_tokens, budget_tokens), "note": note}
         notes.append(f"plan: {regularisation['note']}")
 
+    if not time_threads and not time_bf16:
+        notes += plan_warnings(request, train_cfg, fixed, budgeted, step_s, world)
+
     return RunPlan(
         request=request, meta=meta, recipe=recipe, model=model_cfg, train=train_cfg, data=data_cfg, budgeted=budgeted,
         resumed=resumed, fixed=frozenset(fixed), world=world, cpu_threads=cpu_threads, step_s=step_s,
         time_threads=time_threads, time_bf16=time_bf16, first_guess=first_guess, regularisation=regularisation,
         adoption=adoption, notes=tuple(notes), saved_run=saved, tokenizer_sha256=data.tokenizer_sha256,
     )  # fmt: skip
+
+
+LONG_RUN_S = 86_400.0  # a run planned to outlast a day on the device it found is worth a word before it starts
+
+
+def plan_warnings(request: TrainRequest, train_cfg: Any, fixed: set[str] | frozenset[str], budgeted: bool,
+                  step_s: float | None, world: World) -> list[str]:  # fmt: skip
+    """Lines starting ``warning:`` for a plan that is probably not what the user meant: no end given on a CPU (the
+    recipe's step count), a run that would last more than a day at the measured step time, a flat learning rate.
+
+    Example (a CPU run with neither --time-budget nor --max-steps, whose step was timed at 0.9 s):
+        >>> from trainloop import TrainConfig
+        >>> request = TrainRequest(data="d", out="r")
+        >>> for line in plan_warnings(request, TrainConfig(max_steps=100_000), set(), False, 0.9, World()):
+        ...     print(line[:83])
+        warning: no --time-budget or --max-steps: training the recipe's 100,000 steps (give
+        warning: 100,000 steps at the measured 0.900 s/step take about 1.0 days on this CPU
+        >>> flat = TrainConfig(lr=3e-4, min_lr=3e-4, max_steps=10)
+        >>> print(plan_warnings(request, flat, {"max_steps"}, False, None, World())[0][:85])
+        warning: the learning rate stays at 0.0003 throughout (min_lr = lr, schedule cosine):
+    """
+    out = []
+    device = "GPU" if world.cuda else "CPU"
+    if not budgeted and request.max_steps is None and "max_steps" not in fixed and not world.cuda:
+        out.append(f"warning: no --time-budget or --max-steps: training the recipe's {train_cfg.max_steps:,} steps "
+                   "(give one to choose the end)")  # fmt: skip
+    if not budgeted and step_s is not None and train_cfg.max_steps * step_s > LONG_RUN_S:
+        days = train_cfg.max_steps * step_s / 86_400
+        out.append(f"warning: {train_cfg.max_steps:,} steps at the measured {step_s:.3f} s/step take about {days:.1f} "
+                   f"days on this {device}; --time-budget SECONDS bounds the run")  # fmt: skip
+    if train_cfg.schedule != "constant" and train_cfg.min_lr >= train_cfg.lr:
+        out.append(f"warning: the learning rate stays at {train_cfg.lr:g} throughout (min_lr = lr, schedule "
+                   f"{train_cfg.schedule}): a flat schedule; --set min_lr=... below lr for a decay, or --set "
+                   "schedule=constant to mean it")  # fmt: skip
+    return out
 
 
 def _base_configs(

@@ -66,6 +66,8 @@ def plan_regularisation(
         (0.1, 1.0)
         >>> note
         'the budget buys about 8.7 passes over 329,620 training tokens: dropout 0.1, weight decay 1'
+        >>> plan_regularisation(20_000_000, 80_000, ModelConfig(), TrainConfig())[2]
+        'the budget buys about 0.004 of a pass over 20,000,000 training tokens: settings kept'
     """
     passes = training_passes(train_tokens, budget_tokens)
     _, dropout, weight_decay = [row for row in RULE if passes >= row[0]][-1]
@@ -77,5 +79,6 @@ def plan_regularisation(
         train_cfg = dataclasses.replace(train_cfg, weight_decay=weight_decay)
         changes.append(f"weight decay {weight_decay:g}")
     what = ", ".join(changes) if changes else "settings kept"
-    note = f"the budget buys about {passes:.1f} passes over {train_tokens:,} training tokens: {what}"
+    share = f"{passes:.1f} passes" if passes >= 0.95 else f"{passes:.2g} of a pass"  # never "about 0.0 passes"
+    note = f"the budget buys about {share} over {train_tokens:,} training tokens: {what}"
     return model_cfg, train_cfg, note

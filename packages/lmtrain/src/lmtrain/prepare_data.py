@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -56,6 +57,66 @@ def _write_val_text(sp_path: Path, val: Any, out: Path) -> None:
     os.replace(tmp, out)
 
 
+_FORMAT_FLAGS = {"jsonl": "--jsonl-field FIELD", "parquet": "--parquet-column COLUMN"}
+
+
+def input_format(path: str | os.PathLike) -> str:
+    """ "jsonl", "parquet" or "text", from the file name (a .gz/.zst suffix left aside).
+
+    Example:
+        >>> input_format("corpus.jsonl.gz"), input_format("rows.parquet"), input_format("notes.txt")
+        ('jsonl', 'parquet', 'text')
+    """
+    name = Path(path).name.lower()
+    for suffix in (".gz", ".zst", ".zstd"):
+        name = name.removesuffix(suffix)
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def _first_record_fields(path: Path) -> list[str] | None:
+    """The field names of a JSONL file's first record, or None when it cannot be read cheaply as one."""
+    import gzip
+
+    if path.suffix.lower() not in ("", ".jsonl", ".json", ".ndjson", ".gz"):
+        return None
+    try:
+        with gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb") as f:
+            record = json.loads(f.readline(1 << 20))
+    except (OSError, ValueError, EOFError):
+        return None
+    return sorted(record) if isinstance(record, dict) else None
+
+
+def check_formats(inputs: list[str | os.PathLike], flag: str, *, jsonl_field: str | None,
+                  parquet_column: str | None) -> None:  # fmt: skip
+    """Refuse, before any work, plain-text reading of inputs whose names say JSONL or Parquet: they would be encoded
+    as text (their JSON syntax and all) and the mistake seen only at the end."""
+    from tokbin import TokenFileError
+    from tokbin.sources import expand_inputs
+
+    if jsonl_field is not None or parquet_column is not None:
+        return
+    try:
+        paths = expand_inputs(list(inputs))
+    except TokenFileError:
+        return  # tokbin's own one line comes when the inputs are read
+    for path in paths:
+        fmt = input_format(path)
+        if fmt == "text":
+            continue
+        hint = ""
+        fields = _first_record_fields(path) if fmt == "jsonl" else None
+        if fields:
+            field = "text" if "text" in fields else fields[0]
+            hint = f" (its first record has the fields {', '.join(fields)}): add --jsonl-field {field}"
+        raise LmtrainError(
+            f"{flag} {path}: looks like {'JSONL' if fmt == 'jsonl' else 'Parquet'} by its name, but it would be read "
+            f"as plain text{hint or ': add ' + _FORMAT_FLAGS[fmt]}, or rename the file if it is plain text"
+        )
+
+
 def prepare(
     texts: list[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -95,11 +156,6 @@ def prepare(
         ['meta.json', 'tokenizer.model', ..., 'train.bin', ..., 'val.bin', ..., 'val.txt']
         >>> work.cleanup()
     """
-    import tokbin
-    from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
-    from tokbin.sample import write_sample
-    from tokbin.sources import PARQUET_EXTRA
-
     if vocab_size < 4:
         raise LmtrainError(f"--vocab-size must be >= 4 (unk, bos, eos and one piece), got {vocab_size}")
     if not math.isfinite(sample_mb) or sample_mb <= 0:
@@ -121,7 +177,58 @@ def prepare(
         "split_docs": fmt_text and (split_docs or fraction is not None),
         "skip_bad_lines": skip_bad_lines,
     }
+    check_formats(texts, "--text", jsonl_field=jsonl_field, parquet_column=parquet_column)
+    if val_texts:
+        check_formats(val_texts, "--val-text", jsonl_field=jsonl_field, parquet_column=parquet_column)
     out = Path(out_dir)
+    # A failed prepare leaves no partial output: what it added is removed (a shard directory is kept: rerun resumes).
+    found = set(os.listdir(out)) if out.is_dir() else None
+    try:
+        return _prepare(texts, out, val_texts, fraction, vocab_size, model_type, read, fmt_text, split_docs,
+                        workers, progress, sample_mb, shard_mb)  # fmt: skip
+    except BaseException:
+        if shard_mb is None:
+            _remove_new(out, found)
+        raise
+
+
+def _remove_new(out: Path, found: set[str] | None) -> None:
+    from lmtrain.run_lock import LOCK_FILE
+
+    if not out.is_dir():
+        return
+    for name in set(os.listdir(out)) - (found or set()) - {LOCK_FILE}:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    if found is None:
+        with contextlib.suppress(OSError):
+            out.rmdir()  # made here and now empty
+
+
+def _prepare(
+    texts: list[str | os.PathLike],
+    out: Path,
+    val_texts: list[str | os.PathLike] | None,
+    fraction: float | None,
+    vocab_size: int,
+    model_type: str,
+    read: dict[str, Any],
+    fmt_text: bool,
+    split_docs: bool,
+    workers: int | None,
+    progress: bool,
+    sample_mb: float,
+    shard_mb: float | None,
+) -> dict[str, Any]:
+    import tokbin
+    from lmtrain.progress import step
+    from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
+    from tokbin.sample import write_sample
+
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     train_split = val_split = None
@@ -130,25 +237,35 @@ def prepare(
     prefix = out / Path(TOKENIZER_FILE).stem
     sample = out / ".tokenizer_sample.txt"
     try:
-        sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
+        with step(f"tokenizer: a sample of up to {sample_mb:g} MB spread over the training text", enabled=progress,
+                  bar=False):  # fmt: skip
+            sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
         if sample_bytes == 0:
             raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
         try:
-            model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, **LOSSLESS_SPM_OPTIONS)
+            with step(f"tokenizer: training {model_type} (vocab {vocab_size:,}) on {sample_bytes / 1e6:.3g} MB",
+                      enabled=progress) as bar:  # fmt: skip
+                model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, progress=bar,
+                                               **LOSSLESS_SPM_OPTIONS)  # fmt: skip
         except (tokbin.TokenFileError, ValueError) as exc:
             raise LmtrainError(f"tokenizer training failed: {exc}") from None
         if model != out / TOKENIZER_FILE:
             shutil.move(model, out / TOKENIZER_FILE)
         tokenizer = out / TOKENIZER_FILE
         names = ("train", "val") if shard_mb is not None else ("train.bin", "val.bin")
-        options = dict(read, workers=workers, progress=progress)
+        options = dict(read, workers=workers)
         if shard_mb is not None:
             options["shard_bytes"] = max(1, int(shard_mb * 1e6))
-        train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, **options)
+        # The validation split first: usually the smaller one, and the one a held-out fraction of few documents
+        # leaves empty most often, which then fails before the long encoding of the training split, not after it.
         val_inputs = val_texts or texts
-        if val_texts:
-            options["split_docs"] = fmt_text and split_docs
-        val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, **options)
+        val_options = {**options, "split_docs": fmt_text and split_docs} if val_texts else options
+        with step(f"encode: the validation split -> {out / names[1]}", enabled=progress) as bar:
+            val = tokbin.encode_inputs(tokenizer, val_inputs, out / names[1], hash_split=val_split, progress=bar,
+                                       **val_options)  # fmt: skip
+        with step(f"encode: the training split -> {out / names[0]}", enabled=progress) as bar:
+            train = tokbin.encode_inputs(tokenizer, texts, out / names[0], hash_split=train_split, progress=bar,
+                                         **options)  # fmt: skip
         val_text = out / VAL_TEXT_FILE
         if not any(Path(v).resolve() == val_text.resolve() for v in val_inputs):  # never overwrite an input
             _write_val_text(tokenizer, val.tokens, val_text)
@@ -158,8 +275,7 @@ def prepare(
                 f"{exc}: --val-fraction {fraction} left a split without documents; use more text, another "
                 "fraction, or --val-text"
             ) from None
-        hint = f" ({PARQUET_EXTRA})" if "pyarrow" in str(exc) else ""
-        raise LmtrainError(f"{exc}{'' if hint in str(exc) else hint}") from None
+        raise LmtrainError(str(exc)) from None  # a missing pyarrow: tokbin's line names the command that installs it
     except ValueError as exc:
         raise LmtrainError(str(exc)) from None
     finally:

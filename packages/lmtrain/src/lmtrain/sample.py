@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from lmtrain.errors import LmtrainError
 
@@ -41,12 +42,8 @@ def generate_text(
         (True, True)
         >>> work.cleanup()
     """
-    import torch
-
-    from lmcore import generate
     from lmtrain.evaluate import resolve_device, resolve_dtype
     from lmtrain.run_files import load_tokenizer, load_trained_model
-    from lmtrain.text_codec import decode, encode
 
     if max_new_tokens < 0:
         raise LmtrainError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
@@ -72,7 +69,23 @@ def generate_text(
 
         lmcore.compile_model(model)
     sp = load_tokenizer(run_dir)
-    eos_id = run.get("eos_id")
+    try:
+        return continue_text(model, sp, prompt, run.get("eos_id"), max_new_tokens, temperature=temperature,
+                             top_k=top_k, seed=seed)  # fmt: skip
+    except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
+        raise LmtrainError(f"{path}: {exc}") from None
+
+
+def continue_text(model: Any, sp: Any, prompt: str, eos_id: int | None, max_new_tokens: int, *,
+                  temperature: float = 0.8, top_k: int | None = 200, seed: int | None = None) -> str:  # fmt: skip
+    """``prompt`` followed by up to ``max_new_tokens`` tokens that ``model`` samples, as text, with the SentencePiece
+    processor ``sp`` (EOS in front, as documents start in training; generation stops at EOS)."""
+    import torch
+
+    from lmcore import generate
+    from lmtrain.text_codec import decode, encode
+
+    where = next(model.parameters()).device
     ids = encode(sp, prompt)
     # EOS in front marks the start of a document, as in training. With document attention (the separator is EOS)
     # that EOS would be a document of its own that the prompt never attends to, while cached decoding is plain
@@ -81,18 +94,15 @@ def generate_text(
     if eos_id is not None and eos_id >= 0 and not (document_attention and ids):
         ids = [eos_id] + ids
     top_k = None if top_k is None else min(top_k, model.config.vocab_size)
-    try:
-        out = generate(
-            model,
-            torch.tensor([ids], dtype=torch.long, device=where),
-            max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            eos_id=eos_id,
-            seed=seed,
-        )
-    except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
-        raise LmtrainError(f"{path}: {exc}") from None
+    out = generate(
+        model,
+        torch.tensor([ids], dtype=torch.long, device=where),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        eos_id=eos_id,
+        seed=seed,
+    )
     new = [int(i) for i in out[0, len(ids) :].tolist()]
     if eos_id is not None and eos_id in new:
         new = new[: new.index(eos_id)]

@@ -121,16 +121,70 @@ def train(
     return run_request(request, quiet=quiet)
 
 
-def run_request(request: TrainRequest, *, quiet: bool = False, t_start: float | None = None) -> RunSummary:
+def run_request(
+    request: TrainRequest, *, quiet: bool = False, t_start: float | None = None, as_json: bool = False
+) -> RunSummary:
     """Plan ``request``, then train as planned (see :func:`train`); ``t_start`` is when the command began (setup
-    before this call is charged to a time budget)."""
+    before this call is charged to a time budget). The run ends with a closing block (:func:`closing_block`) and the
+    same facts as one JSON line; ``as_json`` prints the JSON line alone."""
     t_start = time.perf_counter() if t_start is None else t_start
     quieted = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
     with output_lock("train", request.out), quieted:
-        return _run(request, t_start)
+        return _run(request, t_start, as_json)
 
 
-def _run(request: TrainRequest, t_start: float) -> RunSummary:
+def stop_reason(summary: RunSummary) -> str:
+    """Why the run ended, in words: the planned end (the time budget's, or the step count's) or what stopped it."""
+    if summary.stopped is None:
+        planned = summary.plan.train.max_steps
+        return "time budget used" if summary.plan.budgeted else f"planned end (max_steps {planned:,})"
+    return str(summary.stopped)
+
+
+def closing_block(summary: RunSummary, command_s: float | None = None) -> str:
+    """The end of a run as people read it: why it stopped, steps and tokens, the best checkpoint, the final
+    evaluation with units, the wall time, where the weights and the plot are, and the commands that use them."""
+    from trainloop.metrics_logging import format_eval
+
+    run_dir = summary.run_dir
+    rows = [("stopped", f"{stop_reason(summary)}, at step {summary.step:,}"),
+            ("trained", f"{summary.step:,} steps, {summary.tokens_seen:,} tokens"
+                        + (f", {summary.total_skips} skipped" if summary.total_skips else ""))]  # fmt: skip
+    if summary.loss is not None:
+        rows.append(("last loss", f"{summary.loss:.4f} nats/token (training batch)"))
+    if summary.eval:
+        rows.append(("final eval", format_eval(dict(summary.eval))))
+    best_dir = None
+    if summary.best:
+        best_dir = Path(summary.checkpoint).parent / f"step_{int(summary.best['step']):08d}"
+        rows.append(("best", f"step {int(summary.best['step']):,}, eval loss {summary.best['eval_loss']:.4f} "
+                             f"nats/token -> {best_dir if best_dir.is_dir() else 'not kept'}"))  # fmt: skip
+    rows.append(("weights", f"{summary.checkpoint} (last)"))
+    wall = _duration(summary.wall_s) + (f" training, {_duration(command_s)} in all" if command_s is not None else "")
+    rows.append(("wall time", wall))
+    plot = run_dir / "loss.png"
+    rows.append(("plot", str(plot) if plot.is_file() else "none (no metrics)"))
+    from lmtrain.demo import lmtrain_command
+
+    command, val_text = lmtrain_command(), Path(summary.plan.meta["val_path"]).parent / "val.txt"
+    rows += [("next", f"{command} eval --run {run_dir} --text {val_text}"),
+             ("", f"{command} generate --run {run_dir} --prompt TEXT"),
+             ("", f"{command} export --run {run_dir} --out DIR")]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["lmtrain: run finished", *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
+
+
+def _duration(seconds: float) -> str:
+    """``75.2`` -> ``'1 min 15 s'``; under a minute, whole seconds; over an hour, hours and minutes."""
+    seconds = max(0.0, float(seconds))
+    if seconds < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def _run(request: TrainRequest, t_start: float, as_json: bool = False) -> RunSummary:
     import torch
 
     import lmcore
@@ -210,7 +264,7 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
                           extra_state={"model_config": plan.model.to_dict(),
                                        "data_config": dataclasses.asdict(plan.data),
                                        "tokenizer_sha256": plan.tokenizer_sha256},
-                          schedule=schedule)  # fmt: skip
+                          schedule=schedule, on_eval=(lambda *_: _plot(run_dir)) if rank == 0 else None)  # fmt: skip
         out = trainer.fit(resume=request.resume, overwrite=request.overwrite, verify=request.verify,
                           on_ready=lambda: _write_run_files(plan, run_dir) if rank == 0 else None)  # fmt: skip
     except (ConfigError, CheckpointError) as exc:
@@ -232,7 +286,10 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
     if rank == 0:
         write_json_atomic(run_dir / SUMMARY_FILE, json.loads(json.dumps(summary.to_dict(), default=str)))
         _plot(run_dir)
-        print(json.dumps({"summary": summary.to_dict(), "run_dir": str(run_dir)}, default=str), flush=True)
+        if not as_json:
+            print(closing_block(summary, time.perf_counter() - t_start), flush=True)
+        facts = {"summary": {**summary.to_dict(), "reason": stop_reason(summary)}, "run_dir": str(run_dir)}
+        print(json.dumps(facts, default=str), flush=True)
     return summary
 
 
@@ -241,25 +298,60 @@ def run_train(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    request = TrainRequest(
-        data=args.data,
-        out=args.out,
-        recipe=args.preset,
-        model_config=args.model_config,
-        overrides=dict(parse_pairs(args.overrides)),
-        time_budget_s=args.time_budget,
-        max_steps=args.max_steps,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        verify=args.verify,
-        deepspeed=args.deepspeed,
-        engine=args.engine,
-        document_attention=args.document_attention,
-        gpumon=args.gpumon,
-        compile=args.compile,
-    )
-    run_request(request, t_start=t_start)
+    request = request_from_args(args)
+    if args.print_config:
+        from lmtrain.run_config import plan_toml
+
+        sys.stdout.write(plan_toml(draft_plan(request)))
+        return 0
+    run_request(request, t_start=t_start, as_json=args.json)
     return 0
+
+
+def request_from_args(args: argparse.Namespace) -> TrainRequest:
+    """The TrainRequest of `lmtrain train`'s flags over its ``--config`` run file (lmtrain.run_config)."""
+    from lmtrain.run_config import read_run_file
+
+    values: dict[str, Any] = read_run_file(args.config) if args.config else {"overrides": {}}
+    flags = {"data": args.data, "out": args.out, "model_config": args.model_config, "time_budget_s": args.time_budget,
+             "max_steps": args.max_steps, "deepspeed": args.deepspeed, "engine": args.engine}  # fmt: skip
+    if args.preset is not None or args.model_config is not None:  # a model on the command line replaces the file's
+        values.pop("recipe", None)
+        values.pop("model_config", None)
+    values.update({key: value for key, value in flags.items() if value is not None})
+    if args.preset is not None:
+        values["recipe"] = args.preset
+    for key in ("document_attention", "gpumon", "compile"):
+        values[key] = getattr(args, key) or bool(values.get(key, False))
+    overrides = {**values.pop("overrides"), **dict(parse_pairs(args.overrides))}
+    if args.tensorboard:
+        overrides["train.tensorboard"] = True
+    if args.wandb is not None:
+        overrides["train.wandb_project"] = args.wandb
+    for key in ("data", "out"):
+        if values.get(key) is None:
+            where = " (or a `" + key + " = ...` line in --config)" if args.config else ""
+            flag = "DATA_DIR" if key == "data" else "RUN_DIR"
+            if key == "out" and args.print_config:
+                values["out"] = ""  # printed as a line to fill in
+                continue
+            raise LmtrainError(f"--{key} {flag} is required{where}: the {'prepared data' if key == 'data' else 'run'} "
+                               "directory")  # fmt: skip
+    return TrainRequest(**values, overrides=overrides, resume=args.resume, overwrite=args.overwrite,
+                        verify=args.verify)  # fmt: skip
+
+
+def draft_plan(request: TrainRequest) -> RunPlan:
+    """The plan of ``request`` as far as it can be made without training a step: the configs resolved from the
+    recipe, the run file, the overrides and the DeepSpeed JSON (what a time budget sizes at launch is left open)."""
+    meta = read_meta(request.data_dir)
+    train_data = open_train_data(request.blend_spec, meta)
+    run_dir = Path(request.out)
+    saved = read_run(run_dir) if request.resume and (run_dir / RUN_FILE).is_file() else None
+    import tokbin
+
+    tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"]) if Path(meta["tokenizer_path"]).is_file() else None
+    return plan_run(request, DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha), _world())
 
 
 # ---------------------------------------------------------------------------------------------------- the pieces
@@ -479,10 +571,16 @@ def val_batches(token_file: Any, seq_len: int, batch_size: int, *, rank: int = 0
 
 
 def _start_monitor(run_dir: Path) -> Any:
+    import warnings
+
     import gpumon
 
     # GPUs through NVML where there is a driver, else the host (CPU, RSS) with gpumon's one-line warning. One file
     # per node (its host name in the name) and per process: a restart or another node never overwrites a recording.
     monitor = gpumon.Monitor(rate_hz=100, out=gpumon.recording_path(run_dir), backend="auto")
-    monitor.__enter__()
+    with warnings.catch_warnings(record=True) as said:  # gpumon's notices (no driver: the host only) as one line each
+        warnings.simplefilter("always")
+        monitor.__enter__()
+    for notice in said:
+        print(f"lmtrain: warning: {notice.message}", file=sys.stderr, flush=True)
     return monitor

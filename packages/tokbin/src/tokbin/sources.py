@@ -23,7 +23,6 @@ FORMATS = ("text", "jsonl", "parquet")
 PIECE_BYTES = 1 << 20
 _COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _FORMAT_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet",)}
-PARQUET_EXTRA = "pip install 'lmtools-tokbin[parquet]'"
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,9 @@ def _pyarrow(path: object, what: str):
         import pyarrow as pa
         import pyarrow.parquet  # noqa: F401 - makes pa.parquet available
     except ImportError:
-        raise TokenFileError(path, f"{what} needs pyarrow: {PARQUET_EXTRA}") from None
+        from tokbin.extras import install_hint
+
+        raise TokenFileError(path, f"{what} needs pyarrow: {install_hint('parquet')}") from None
     return pa
 
 

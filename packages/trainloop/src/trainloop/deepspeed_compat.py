@@ -32,6 +32,7 @@ import torch
 
 from trainloop.checkpoint import CheckpointError
 from trainloop.config import ConfigError
+from trainloop.extras import install_hint
 
 # The releases this module was tested against: the lowest and the highest the `deepspeed` extra admits.
 TESTED = ("0.18.0", "0.19.8")
@@ -62,7 +63,7 @@ def check_version(version: str) -> None:
         span = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
         raise ConfigError(
             f"DeepSpeed {version} is not supported: trainloop's DeepSpeed engine needs {span} (tested: "
-            f'{", ".join(TESTED)}); pip install "lmtools-trainloop[deepspeed]" installs one'
+            f"{', '.join(TESTED)}); {install_hint('deepspeed')} installs one"
         )
 
 

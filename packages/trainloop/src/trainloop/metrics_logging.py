@@ -225,3 +225,23 @@ def format_line(record: dict[str, Any]) -> str:
     if record.get("skipped"):
         parts.append(f"SKIPPED ({record['skipped']} in a row)")
     return " | ".join(parts)
+
+
+def format_eval(result: dict[str, Any]) -> str:
+    """An evaluation result as a log line: the loss in nats per token, perplexity to 4 significant digits, the tokens
+    scored as a count, bits per byte where known, the standard error of the mean loss.
+
+    Example:
+        >>> format_eval({"loss": 5.68606, "ppl": 294.6769, "tokens": 16384.0, "loss_se": 0.0213, "bpb": 2.41234})
+        'loss 5.6861 nats/token (+-0.0213), ppl 294.7, 2.412 bits/byte, 16,384 tokens'
+    """
+    parts = [f"loss {result['loss']:.4f} nats/token" + (f" (+-{result['loss_se']:.4f})" if "loss_se" in result else "")]
+    if "ppl" in result:
+        parts.append(f"ppl {result['ppl']:.4g}" if result["ppl"] < 1e4 else f"ppl {result['ppl']:.3e}")
+    if result.get("bpb") is not None:
+        parts.append(f"{result['bpb']:.3f} bits/byte")
+    if "tokens" in result:
+        parts.append(f"{int(result['tokens']):,} tokens")
+    known = {"loss", "loss_se", "ppl", "bpb", "tokens"}
+    parts += [f"{k} {v:.4g}" for k, v in result.items() if k not in known and isinstance(v, (int, float))]
+    return ", ".join(parts)

@@ -49,6 +49,7 @@ from trainloop.metrics_logging import (
     add_throughput,
     detect_peak_tflops,
     flops_per_token,
+    format_eval,
     format_line,
 )
 from trainloop.schedules import ConfigSchedule, Schedule
@@ -93,7 +94,8 @@ class Trainer:
     asked for every step's learning rate and the final step; it defaults to the config's closed form
     (:class:`~trainloop.schedules.ConfigSchedule`), and :class:`~trainloop.budget.BudgetSchedule` re-plans itself to
     the time budget while the loop runs. ``clock`` measures training time (budget, timed evaluations, re-plans,
-    throughput); a test may pass a deterministic one.
+    throughput); a test may pass a deterministic one. ``on_eval(step, result)`` runs on the main rank after each
+    evaluation is logged (the app redraws its loss plot there, so that a run can be watched).
 
     Example (a linear regression; any module whose forward returns the loss trains the same way):
         >>> import tempfile, torch
@@ -136,6 +138,7 @@ class Trainer:
         extra_state: dict[str, Any] | None = None,
         schedule: Schedule | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        on_eval: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -173,6 +176,7 @@ class Trainer:
         self._last_saved_step: int | None = None
         self._batch_checked = False
         self._clock = clock
+        self.on_eval = on_eval  # called on the main rank after each evaluation is logged (step, result)
         self._fit_t0 = clock()
 
     # The loop's state, read by name.
@@ -211,6 +215,9 @@ class Trainer:
         another rank's output on the same pipe can land."""
         if self.is_main:
             line = f"[trainloop {time.strftime('%H:%M:%S')}] {msg}\n"
+            tqdm = sys.modules.get("tqdm")  # a bar, if any, came from tqdm: a line written past it would break it
+            if bar is None and tqdm is not None and getattr(tqdm.tqdm, "_instances", None):
+                bar = tqdm.tqdm
             if bar is not None:
                 bar.write(line, end="")
             else:
@@ -365,7 +372,9 @@ class Trainer:
                 self._say(f"evaluation at step {step} stopped by a signal (on this or another rank): not counted")
             return None, False
         logger.log({"step": step, **{f"eval_{k}": v for k, v in result.items()}})
-        self._say(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        self._say(f"eval at step {step}: {format_eval(result)}")
+        if self.on_eval is not None and self.is_main:
+            self.on_eval(step, result)
         improved, early = self.best_tracker.observe(self.state, result["loss"])
         if improved and self.config.keep_best:
             if self.checkpoint_policy.due_for_best(step, self._last_saved_step):

@@ -1,0 +1,260 @@
+"""One run file: `lmtrain train --config run.toml` holds everything a run needs; flags override it.
+
+A run file is TOML, YAML (``.yaml``/``.yml``, with the ``yaml`` extra: PyYAML) or the ``run.json`` of an earlier run,
+read back as the config of a new one. Its top-level keys
+are the :class:`~lmtrain.plan.TrainRequest` fields a run is made of; its ``[model]``, ``[train]`` and
+``[data_config]`` tables set fields of the model, training and data configs, as ``--set model.x=...`` does (the data
+table has a longer name because ``data`` is the data directory)::
+
+    data = "data/shakespeare"      # a directory written by `lmtrain prepare`
+    out = "runs/s1"
+    recipe = "cpu-small"           # or: model_config = "model.json"
+    time_budget_s = 260            # or: max_steps = 2000
+    deepspeed = "ds_config.json"   # optional: train with DeepSpeed and this JSON
+
+    [train]
+    lr = 1e-3
+    tensorboard = true
+
+    [model]
+    bias = false
+
+Paths are taken relative to the file's directory. A flag given on the command line wins over the file's value
+(``--set`` over a table's field). `lmtrain train --print-config` prints the merged run as such a file, with the
+values the plan resolved, and exits. :func:`request_values` reads a file; :func:`plan_toml` writes one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from lmtrain.errors import LmtrainError
+
+# TrainRequest fields a run file may set (resume, overwrite and verify are what a command does, not what a run is).
+REQUEST_KEYS = ("data", "out", "recipe", "model_config", "time_budget_s", "max_steps", "deepspeed",
+                "document_attention", "gpumon", "compile")  # fmt: skip
+PATH_KEYS = ("data", "out", "model_config", "deepspeed")
+# The kind of value each key takes; every other key takes a string.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "time_budget_s": (int, float),
+    "max_steps": (int,),
+    "document_attention": (bool,),
+    "gpumon": (bool,),
+    "compile": (bool,),
+}
+SECTIONS = {"model": "model", "train": "train", "data_config": "data"}  # table -> the --set prefix it stands for
+# Sized by a time budget at launch: a run file taken from a budgeted run leaves them to the new run's budget.
+_BUDGET_SIZED = ("max_steps", "t_max", "schedule", "wsd_decay_steps", "warmup_steps")
+
+
+def read_run_file(path: str | Path) -> dict[str, Any]:
+    """The run file at ``path`` (TOML, YAML, or an earlier run's ``run.json``) as ``{TrainRequest field: value, ...,
+    "overrides": {"model.x": value, ...}}``; a file that does not parse, an unknown key or a value of the wrong kind
+    is one LmtrainError naming it.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> work = tempfile.TemporaryDirectory()
+        >>> run = Path(work.name) / "run.toml"
+        >>> _ = run.write_text('data = "data"\\nrecipe = "tiny"\\nmax_steps = 20\\n[train]\\nlr = 1e-3\\n')
+        >>> values = read_run_file(run)
+        >>> values["recipe"], values["max_steps"], values["overrides"], values["data"] == str(Path(work.name) / "data")
+        ('tiny', 20, {'train.lr': 0.001}, True)
+        >>> work.cleanup()
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LmtrainError(f"--config {path}: cannot read it ({exc}): expected a TOML run file or a run.json") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raw = _read_yaml(text, path)
+    elif path.suffix.lower() == ".json":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LmtrainError(f"--config {path}: not JSON ({exc}): expected an earlier run's run.json") from None
+        if not isinstance(raw, dict):
+            raise LmtrainError(f"--config {path}: holds a {type(raw).__name__}, expected a JSON object (run.json)")
+        raw = _from_run_json(raw, path)
+    else:
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise LmtrainError(f"--config {path}: not valid TOML ({exc}); see `lmtrain train --print-config`") from None
+    return _request_values(raw, path)
+
+
+def _read_yaml(text: str, path: Path) -> dict[str, Any]:
+    """A YAML run file: the same keys and tables as the TOML one (PyYAML's safe loader: plain data, no objects)."""
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        from trainloop.extras import install_hint
+
+        raise LmtrainError(f"--config {path}: a YAML run file needs PyYAML, which is not installed: "
+                           f"{install_hint('yaml', 'lmtrain')} (a TOML run file needs nothing)") from None  # fmt: skip
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise LmtrainError(f"--config {path}: not valid YAML ({' '.join(str(exc).split())})") from None
+    if not isinstance(raw, dict):
+        raise LmtrainError(f"--config {path}: holds a {type(raw).__name__}, expected a mapping of run keys")
+    return raw
+
+
+def _from_run_json(run: dict[str, Any], path: Path) -> dict[str, Any]:
+    """An earlier run's run.json as a run file: its data, recipe and resolved configs (the schedule fields a time
+    budget sized are left to the new run's budget)."""
+    if not isinstance(run.get("model_config"), dict) or not isinstance(run.get("train_config"), dict):
+        raise LmtrainError(f"--config {path}: has no model_config/train_config objects: expected the run.json "
+                           "`lmtrain train` wrote")  # fmt: skip
+    train = dict(run["train_config"])
+    out: dict[str, Any] = {"model": run["model_config"], "train": train}
+    if train.get("t_max") is not None and train.get("t_max") == train.get("max_steps"):
+        # The decay's end followed the run's end (--max-steps): as a request, it follows a new --max-steps too.
+        train.pop("t_max")
+        out["max_steps"] = train.pop("max_steps")
+    if isinstance(run.get("data_config"), dict):
+        out["data_config"] = run["data_config"]
+    if run.get("data") is not None:
+        out["data"] = run["data"]
+    if run.get("recipe") is not None:
+        out["recipe"] = run["recipe"]
+    if run.get("schedule") == "budget":
+        for name in _BUDGET_SIZED:
+            train.pop(name, None)
+        if train.get("time_budget_s") is not None:
+            out["time_budget_s"] = train.pop("time_budget_s")
+    return out
+
+
+def _request_values(raw: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise LmtrainError(f"--config {path}: {key} = {value!r}: expected a table ([{key}]) of fields")
+            overrides.update({f"{SECTIONS[key]}.{name}": item for name, item in value.items()})
+        elif key in REQUEST_KEYS:
+            values[key] = _checked(key, value, path)
+        else:
+            near = difflib.get_close_matches(key, [*REQUEST_KEYS, *SECTIONS], n=3, cutoff=0.5)
+            near = ["recipe"] if key == "preset" else near
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise LmtrainError(
+                f"--config {path}: unknown key {key!r}{hint} (top-level keys: {', '.join(REQUEST_KEYS)}; tables "
+                f"[{'], ['.join(SECTIONS)}] set fields of the model, training and data configs)"
+            )
+    for key in PATH_KEYS:
+        if isinstance(values.get(key), str) and not Path(values[key]).is_absolute():
+            values[key] = str(path.parent / values[key])
+    _check_fields(overrides, path)
+    values["overrides"] = overrides
+    return values
+
+
+def _check_fields(overrides: Mapping[str, Any], path: Path) -> None:
+    """Every table field names a field of its config, checked here so that the error names the file (the values
+    are converted and validated with the configs, as `--set` values are)."""
+    from lmcore import ModelConfig
+    from lmtrain.errors import OverrideError
+    from lmtrain.overrides import targets
+    from lmtrain.recipes import DataConfig
+    from trainloop import TrainConfig
+
+    configs = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+    for key in overrides:
+        try:
+            targets(key, configs)
+        except OverrideError as exc:
+            section, _, name = key.partition(".")
+            table = next(t for t, prefix in SECTIONS.items() if prefix == section)
+            said = str(exc).removeprefix(f"--set {key}: ")
+            raise LmtrainError(f"--config {path}: [{table}] {name}: {said}") from None
+
+
+def _checked(key: str, value: Any, path: Path) -> Any:
+    expected = _KINDS.get(key, (str,))
+    if isinstance(value, bool) and bool not in expected or not isinstance(value, expected):
+        names: dict[tuple[type, ...], str] = {(int, float): "a number", (int,): "an integer", (bool,): "true or false"}
+        raise LmtrainError(f"--config {path}: {key} = {value!r}: expected {names.get(expected, 'a string')}")
+    seconds: Any = value
+    if key == "time_budget_s" and not (math.isfinite(seconds) and seconds > 0):
+        raise LmtrainError(f"--config {path}: time_budget_s = {value!r}: expected a finite number of seconds > 0")
+    return value
+
+
+def plan_toml(plan: Any) -> str:
+    """The run ``plan`` (a :class:`~lmtrain.plan.RunPlan`) as a TOML run file that `lmtrain train --config` reads
+    back into the same run: the request's keys and the fields you set are lines, every other resolved field of the
+    model, training and data configs is shown as a comment (the recipe's value, or one the plan decides: a comment
+    leaves it to the plan, uncommented it becomes yours)."""
+    request = plan.request
+    lines = [
+        "# lmtrain run file: `lmtrain train --config THIS_FILE` trains this run; flags given beside it override it.",
+        f"# Model and settings from {'recipe ' + plan.recipe if plan.recipe else 'a model config file'}. A commented "
+        "field shows the resolved value",
+        "# and is left to the recipe and the plan; uncomment it to set it.",
+        *(f"# plan: {note}" for note in plan.notes),  # what the plan decided or warns of, warnings included
+    ]
+    for key in REQUEST_KEYS:
+        value = getattr(request, key)
+        if key == "out" and not value:
+            lines.append('# out = "RUN_DIR"  (the run directory: give it here or with --out)')
+            continue
+        if key == "recipe" and value is None and request.model_config is None:
+            value = plan.recipe
+        if key in PATH_KEYS and isinstance(value, str):
+            value = str(Path(value).resolve())
+        if value is None or (value is False and key in ("document_attention", "gpumon", "compile")):
+            continue
+        if key == "deepspeed" and not isinstance(value, str):
+            continue  # a dict given to lmtrain.train(): its adopted values are in [train]
+        lines.append(f"{key} = {_toml(value)}")
+    budget_note = "  (sized to the time budget at launch)" if plan.budgeted and plan.measuring else ""
+    for section, config in (("model", plan.model.to_dict()), ("train", plan.train.to_dict()),
+                            ("data_config", dataclasses.asdict(plan.data))):  # fmt: skip
+        lines += ["", f"[{section}]"]
+        for name, value in config.items():
+            if section == "train" and name == "time_budget_s":
+                continue  # the top-level time_budget_s
+            text = f"{name} = {_toml(value)}"
+            if name not in plan.fixed:
+                sized = budget_note if section == "train" and name in _BUDGET_SIZED else ""
+                text = f"# {text}{sized}"
+            lines.append(text)
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    """A TOML value; None is the string "none", which the field's type converts back to None."""
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
