@@ -122,12 +122,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     _add_compile_flag(p)
     p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="RUN[:best|latest|STEP]",
+        help="start from the weights (and model config) of a checkpoint of another run (default: its best), with a "
+        "fresh optimizer and schedule on --data; the run must have been trained with the data's tokenizer",
+    )
+    add_gradient_checkpointing_flag(p)
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="key=value",
         help="override any field of the model or training config, e.g. --set save_every=10 --set precision=fp32",
+    )
+
+
+def add_gradient_checkpointing_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward (the model's checkpointing=block): less memory, "
+        "about one more forward per step",
     )
 
 

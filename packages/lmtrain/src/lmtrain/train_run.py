@@ -73,6 +73,7 @@ def train(
     gpumon: bool = False,
     compile: bool = False,
     quiet: bool = False,
+    init_from: str | None = None,
 ) -> RunSummary:
     """Train a model on ``data`` (a directory written by :func:`lmtrain.prepare.prepare`, or a blend spec inside
     one) into the run directory ``out``, as `lmtrain train` does; returns how the run ended.
@@ -84,7 +85,9 @@ def train(
     runs); ``resume`` continues from the newest complete checkpoint (``verify="full"`` re-hashes it first),
     ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed; ``compile``
     compiles the model with ``torch.compile`` (no graph breaks: lmcore.compile_model; on a CPU it measured no faster
-    in fp32 and its first compile takes a minute or more, so it is off by default). ``quiet`` keeps
+    in fp32 and its first compile takes a minute or more, so it is off by default). ``init_from``
+    (``RUN[:best|latest|STEP]``, default ``best``) starts from that checkpoint's weights and model config with a fresh
+    optimizer and schedule (lmtrain.init_from); the run must share the data's tokenizer. ``quiet`` keeps
     the training log off stdout. Bad input is one :class:`~lmtrain.errors.LmtrainError` naming the value and the fix.
 
     Example (`tiny_data`: a little of the standard library's source, prepared; 4 steps of the tiny recipe):
@@ -114,6 +117,7 @@ def train(
         document_attention=document_attention,
         gpumon=gpumon,
         compile=compile,
+        init_from=init_from,
     )
     return run_request(request, quiet=quiet)
 
@@ -152,7 +156,14 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
             f"--data {request.data}: its tokenizer (sha256 {tokenizer_sha}) is not the one {run_dir} was trained "
             f"with (sha256 {saved['tokenizer_sha256']}): resume with that run's data, or start a new run"
         )
-    info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha)
+    source = None
+    if request.init_from is not None and saved is None:
+        from lmtrain.init_from import read_init_source
+
+        source = read_init_source(request.init_from, tokenizer_sha, verify=request.verify)
+    init = None if source is None else {"model_config": source.model_config, "record": source.record(),
+                                        "recipe": source.run.get("recipe")}  # fmt: skip
+    info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha, init)
     world = _world()
     plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
     # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
@@ -180,6 +191,11 @@ def _run(request: TrainRequest, t_start: float) -> RunSummary:
     ds_config = plan.ds_config  # resolved here, once: a value DeepSpeed refuses stops the run before it writes
     torch.manual_seed(plan.train.seed)
     model = GPT(plan.model)
+    if source is not None:
+        from lmtrain.init_from import load_init_weights
+
+        load_init_weights(model, source)
+        source = None  # its copy of the weights is no longer needed
     if request.compile:
         lmcore.compile_model(model)
     rank = world.rank
@@ -243,7 +259,8 @@ def run_train(args: argparse.Namespace) -> int:
         out=args.out,
         recipe=args.preset,
         model_config=args.model_config,
-        overrides=dict(parse_pairs(args.overrides)),
+        overrides=dict(parse_pairs(args.overrides))
+        | ({"model.checkpointing": "block"} if args.gradient_checkpointing else {}),
         time_budget_s=args.time_budget,
         max_steps=args.max_steps,
         resume=args.resume,
@@ -253,6 +270,7 @@ def run_train(args: argparse.Namespace) -> int:
         document_attention=args.document_attention,
         gpumon=args.gpumon,
         compile=args.compile,
+        init_from=args.init_from,
     )
     run_request(request, t_start=t_start)
     return 0
