@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     # The deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain --local_rank=0 train ...).
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_export, _add_doctor, _add_demo):
+    from lmtrain.finetune import add_finetune_parser
+
+    for add in (_add_prepare, _add_train, add_finetune_parser, _add_eval, _add_generate, _add_export, _add_doctor,
+                _add_demo):  # fmt: skip
         add(sub)
     for command in sub.choices.values():
         command.add_argument(
@@ -305,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A first Ctrl-C during `train` saves and stops at the next step; a second one, or Ctrl-C in any other
         # command (or while one starts), stops at once. 130: the shell's status for a process ended by SIGINT.
         kept = "; the newest complete checkpoint is kept (--resume continues from it)"
-        kept = kept if args.command == "train" else ""
+        kept = kept if args.command in ("train", "finetune") else ""
         print(f"lmtrain {args.command}: interrupted (Ctrl-C): stopped at once{kept}", file=sys.stderr)
         return 130
 
@@ -320,6 +323,8 @@ def _run_command(args: argparse.Namespace) -> int:
         from lmtrain.prepare_data import run_prepare as run
     elif args.command == "train":
         from lmtrain.train_run import run_train as run
+    elif args.command == "finetune":
+        from lmtrain.finetune import run_finetune as run
     elif args.command == "eval":
         from lmtrain.evaluate import run_eval as run
     elif args.command == "generate":

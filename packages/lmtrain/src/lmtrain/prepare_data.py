@@ -96,6 +96,7 @@ def prepare(
         >>> work.cleanup()
     """
     import tokbin
+    from lmtrain.chat import CHAT_TOKENS
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
     from tokbin.sample import write_sample
     from tokbin.sources import PARQUET_EXTRA
@@ -134,7 +135,10 @@ def prepare(
         if sample_bytes == 0:
             raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
         try:
-            model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, **LOSSLESS_SPM_OPTIONS)
+            # The chat template's role and end-of-turn markers are reserved as pieces of their own (lmtrain.chat).
+            options = {**LOSSLESS_SPM_OPTIONS, "user_defined_symbols": [*LOSSLESS_SPM_OPTIONS["user_defined_symbols"],
+                                                                        *CHAT_TOKENS]}  # fmt: skip
+            model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, **options)
         except (tokbin.TokenFileError, ValueError) as exc:
             raise LmtrainError(f"tokenizer training failed: {exc}") from None
         if model != out / TOKENIZER_FILE:
