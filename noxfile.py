@@ -33,9 +33,9 @@ PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
 TEST_EXTRAS = {
     "gpumon": ["plot"],
-    "lmcore": ["hf"],  # the Hugging Face export tests skip without transformers and peft
+    "lmcore": ["hf", "qlora"],  # the Hugging Face export tests skip without transformers and peft
     "trainloop": ["deepspeed", "plot", "tensorboard"],
-    "lmtrain": ["hf"],
+    "lmtrain": ["hf", "qlora", "eval"],  # finetune --method qlora (torchao), eval --prompts (sacrebleu, rouge-score)
 }
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]

@@ -198,7 +198,20 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "ranks and the sums all-reduced: the same figures as one process.",
     )
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `lmtrain train`")
-    p.add_argument("--text", required=True, metavar="FILE", help="text file to evaluate")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", metavar="FILE", help="text file to evaluate")
+    what.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="generate an answer to each prompt (chat 'messages' ending in the reference answer, or 'prompt' with "
+        "'reference'/'response') and report BLEU-4, ROUGE-L and exact match (the eval extra: sacrebleu, rouge-score)",
+    )
+    p.add_argument("--generations", metavar="FILE.jsonl", help="--prompts: where the prompts, references and "
+                   "generations go (default RUN_DIR/generations-<checkpoint>.jsonl)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--prompts: longest answer (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="--prompts: 0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="--prompts: sample from the k likeliest tokens")
+    p.add_argument("--generation-seed", type=int, default=None, help="--prompts: seed of the sampling")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: context / 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -246,9 +246,9 @@ def _run(request: FinetuneRequest) -> Any:
             raise LmtrainError(f"--lora-targets {','.join(request.lora_targets)}: {exc}") from None
         lora_settings = dict(model.lora_settings)
         if request.method == "qlora":
-            from lmcore.qlora import quantize_lora_bases
+            from lmcore.qlora import quantize_frozen_linears
 
-            quantize_lora_bases(model)
+            quantize_frozen_linears(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = lmcore.n_params(model_cfg)
     record = {
