@@ -20,9 +20,9 @@ from lmcore.extras import MissingExtraError
 
 NF4_BLOCK = 64  # weights per absmax scale
 NF4_SCALER_BLOCK = 256  # scales per int8 block of the double quantization
-# The widest gap between two neighbouring NF4 codes (0.7230 .. 1.0): a weight lands at most half of it, times its
-# block's scale, from its code.
-NF4_MAX_HALF_GAP = (1.0 - 0.7229568362236023) / 2
+# The widest gap between two neighbouring NF4 codes (-1.0 .. -0.6962; the code is asymmetric, 0.7230 .. 1.0 on
+# the positive side): a weight lands at most half of it, times its block's scale, from its code.
+NF4_MAX_HALF_GAP = (1.0 - 0.6961928009986877) / 2
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -124,7 +124,9 @@ def quantize_frozen_linears(model: M, skip: tuple[str, ...] = ("lm_head",)) -> M
 def base_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the linear layers' frozen weights as stored ("stored") and as they would be in bf16 ("bf16")."""
     stored = bf16 = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.endswith("lm_head"):  # the output head: tied to the embedding, which stays as it is
+            continue
         if isinstance(module, NF4Linear):
             stored += module.quantized_bytes()
             bf16 += 2 * module.in_features * module.out_features
