@@ -46,6 +46,12 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     fmt.add_argument("--parquet-column", metavar="COLUMN", help="the corpus is Parquet: a document per row (pyarrow)")
     p.add_argument("--split-docs", action="store_true", help="plain text: a document per blank-line-separated block")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or Parquet rows")
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="strip HTML tags, bracketed citation marks ([1], [citation needed]) and runs of whitespace from every "
+        "document before the tokenizer trains and the text is encoded (web text; not for source code)",
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size (default: tuned, see docs)")
     p.add_argument(
         "--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"], help="SentencePiece model type"
@@ -283,6 +289,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="lmtrain-demo", metavar="DIR", help="where to write data and run (default ./lmtrain-demo)"
     )
+    p.add_argument(
+        "--finetune",
+        action="store_true",
+        help="then fine-tune with LoRA on instruction pairs built from the same source (signature and docstring -> "
+        "body, held out by module) and print the held-out response loss and BLEU-4 before and after",
+    )
+    p.add_argument("--finetune-budget", type=float, default=120.0, metavar="SECONDS", help="fine-tuning time")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -145,6 +145,10 @@ def run_demo(args: argparse.Namespace) -> int:
           f"token perplexity {result['token_ppl']:.1f} ({checkpoint})", flush=True)  # fmt: skip
     sample = generate_text(str(run), "def ", max_new_tokens=120, temperature=0.8, top_k=50, seed=0)
     print("[5/5] sample (prompt 'def '):\n" + "-" * 60 + f"\n{sample}\n" + "-" * 60)
+    if getattr(args, "finetune", False):
+        from lmtrain.finetune_demo import demo_finetune
+
+        demo_finetune(run, out, args.finetune_budget)
     print(
         f"done in {time.perf_counter() - t0:.0f} s. Everything is under {out}/:\n"
         f"  corpus      {corpus}\n  data        {data}/ (meta.json, tokenizer.model, train.bin, val.bin)\n"

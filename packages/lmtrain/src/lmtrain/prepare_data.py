@@ -72,6 +72,7 @@ def prepare(
     sample_mb: float = DEFAULT_SAMPLE_MB,
     shard_mb: float | None = None,
     skip_bad_lines: bool = False,
+    clean: bool = False,
 ) -> dict[str, Any]:
     """Train the tokenizer on a sample of the training corpus, encode both splits, write and return meta.json.
 
@@ -121,6 +122,7 @@ def prepare(
         # the held-out unit is the document: plain text is cut at blank lines so there are documents to hold out
         "split_docs": fmt_text and (split_docs or fraction is not None),
         "skip_bad_lines": skip_bad_lines,
+        "clean": clean,  # tokbin's cleaning (HTML tags, bracketed citation marks, runs of whitespace), sample too
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +210,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         sample_mb=args.tokenizer_sample_mb,
         shard_mb=args.shard_mb,
         skip_bad_lines=args.skip_bad_lines,
+        clean=args.clean,
         progress=not args.quiet,
     )
     for split in ("train", "val"):

@@ -291,12 +291,21 @@ def _world() -> World:
 
 
 def _sampler(plan: RunPlan, train_data: Any) -> Any:
+    import numpy as np
+
     import tokbin
 
     cfg, world = plan.train, plan.world
     if plan.request.blend_spec is not None:
         return train_data.sampler(plan.seq_len, cfg.micro_batch, seed=cfg.seed, rank=world.rank,
                                   world_size=world.world_size)  # fmt: skip
+    if plan.data.sampler == "dynamic":
+        # The original recipe's per-batch length (256 for short text, 1024 for long at seq_len 1024), tokens per
+        # batch constant: micro_batch rows of seq_len, or 4x the rows at seq_len / 4.
+        buckets = tuple(sorted({max(1, plan.seq_len // 4), plan.seq_len}))
+        lengths = tokbin.DocumentLengths(np.asarray(train_data.doc_offsets), buckets=buckets)
+        return tokbin.DynamicLength(train_data.n_tokens, cfg.micro_batch * plan.seq_len, lengths, seed=cfg.seed,
+                                    rank=world.rank, world_size=world.world_size)  # fmt: skip
     sampler_cls = tokbin.RandomWindows if plan.data.sampler == "random" else tokbin.EpochWindows
     return sampler_cls(train_data.n_tokens, plan.seq_len, cfg.micro_batch, seed=cfg.seed, rank=world.rank,
                        world_size=world.world_size)  # fmt: skip
