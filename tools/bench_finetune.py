@@ -1,14 +1,15 @@
 """Fine-tuning side by side: `lmtrain finetune --method lora` against PEFT + transformers.Trainer, QLoRA against
 LoRA, packing against padding, and BLEU-4 / ROUGE-L before and after. Prints figures and ratios; asserts nothing.
 
-One pretrained model (``--run``, or the default recipe trained here for ``--pretrain-s`` seconds on the standard
-library's source), one instruction set built from the standard library (lmtrain.instructions, held out by
-module), the same LoRA settings, batch, steps, learning rate and schedule for every side. Each side runs in a child
-process of its own, so its peak RSS (``ru_maxrss``) is its own. The PEFT side trains the same model exported with
-`lmtrain export --format hf` (transformers' MPT) on the same token ids (the exported tokenizer's chat template gives
-the toolkit's ids, tested in packages/lmtrain/tests/test_finetune.py), padded per batch as transformers' Trainer
-does; MPT fuses q, k, v into one ``Wqkv`` layer, so its adapters on ``Wqkv`` and ``out_proj`` have the rank of ours
-but one A and one B for the three projections (the nearest PEFT target to ours on q, k, v, o).
+One pretrained model (``--run``, without biases, or the default recipe without biases trained here for
+``--pretrain-s`` seconds on the standard library's source), one instruction set built from the standard library
+(lmtrain.instructions, held out by module), the same LoRA settings, batch, steps, learning rate and schedule for
+every side. Each side runs in a child process of its own, so its peak RSS (``ru_maxrss``) is its own. The PEFT
+side trains the same model exported with `lmtrain export --format hf` (transformers' MPT) on the same token ids
+(the exported tokenizer's chat template gives the toolkit's ids, tested in packages/lmtrain/tests/test_finetune.py),
+padded per batch as transformers' Trainer does; MPT fuses q, k, v into one ``Wqkv`` layer, so its adapters on
+``Wqkv`` and ``out_proj`` have the rank of ours but one A and one B for the three projections (the nearest PEFT
+target to ours on q, k, v, o).
 
 tokens/s counts the samples' own tokens (padding excluded): steps x batch rows x the mean real tokens per row of
 that batching, over the summed step times (our Trainer.train_step, the Trainer's on_step_begin..on_step_end).
@@ -215,7 +216,15 @@ def main() -> None:
 
         build_corpus(out / "corpus.txt")
         prepare([out / "corpus.txt"], out / "data", val_fraction=0.05, progress=False)
-        train(out / "data", out / "pretrained", time_budget_s=args.pretrain_s, overwrite=True, quiet=True)
+        # Without biases: the model maps exactly onto transformers' MPT (lmcore.hf_mpt), which the PEFT side trains.
+        train(
+            out / "data",
+            out / "pretrained",
+            time_budget_s=args.pretrain_s,
+            overwrite=True,
+            quiet=True,
+            overrides={"bias": False},
+        )
         args.run = str(out / "pretrained")
     if args.pairs is None:
         from lmtrain.finetune_demo import DEMO_PAIR_CHARS, DEMO_PAIRS

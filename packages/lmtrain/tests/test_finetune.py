@@ -296,3 +296,21 @@ def test_eval_prompts_scores_and_writes_every_generation(made, tmp_path, capsys)
     assert result["count"] == 2 and 0 <= result["bleu4"] <= 100 and 0 <= result["rougeL_f1"] <= 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["reference"] for r in rows] == ["    return x", "a"] and all("generation" in r for r in rows)
+
+
+def test_qlora_finetune_reads_back_as_lora(made, tmp_path):
+    pytest.importorskip("torchao")
+    from lmcore.lora import lora_modules
+    from lmtrain.run_files import load_trained_model
+
+    ft = tmp_path / "ft"
+    summary = finetune(f"{made['run']}:latest", made["pairs"], ft, method="qlora", max_steps=2, lora_r=4, seq_len=128,
+                       overrides={"micro_batch": 2}, quiet=True)  # fmt: skip
+    assert summary.step == 2
+    model, run, _ = load_trained_model(ft, checkpoint="latest")
+    assert run["finetune"]["method"] == "qlora" and len(lora_modules(model)) == 8
+    source = load_file(str(made["run"] / "checkpoints" / "step_00000004" / "model.safetensors"))
+    base = model.layers[0].self_attn.q_proj.base.weight
+    original = source["layers.0.self_attn.q_proj.weight"]
+    err = (base - original).abs().max().item()
+    assert 0 < err <= 0.16 * original.abs().max().item()  # quantized, within NF4's widest half gap of the scale
