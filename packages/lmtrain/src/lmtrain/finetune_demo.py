@@ -62,13 +62,13 @@ def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[
 
     pairs = out / "instructions.jsonl"
     info = write_instructions(pairs, DEMO_PAIRS, DEMO_PAIR_CHARS)
-    say(f"[6/7] instructions: {info['pairs']} (signature + docstring -> body) pairs from {info['modules']} "
+    say(f"[finetune 1/2] instructions: {info['pairs']} (signature + docstring -> body) pairs from {info['modules']} "
         f"standard-library modules -> {pairs}; held out by module")  # fmt: skip
     before = heldout_response_loss(run_dir, pairs, seq_len=DEMO_SEQ_LEN)
     prompts = heldout_prompts(pairs, out / "heldout_prompts.jsonl", DEMO_PROMPTS)
     scores_before = _scores(run_dir, prompts, out / "generations-before.jsonl")
     ft = out / "finetune"
-    say(f"[7/7] finetune: LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s")
+    say(f"[finetune 2/2] LoRA: LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s")
     settings = {"lr": DEMO_LR, "eval_every": 0, "save_every": 0, "micro_batch": 8, "warmup_steps": 20, "log_every": 20}
     summary = finetune(f"{run_dir}:best", pairs, ft, seq_len=DEMO_SEQ_LEN, time_budget_s=time_budget_s,
                        max_steps=100_000, overwrite=True, overrides=settings, lora_r=DEMO_LORA_R,

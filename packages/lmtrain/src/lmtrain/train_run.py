@@ -302,6 +302,10 @@ def _sampler(plan: RunPlan, train_data: Any) -> Any:
     if plan.data.sampler == "dynamic":
         # The original recipe's per-batch length (256 for short text, 1024 for long at seq_len 1024), tokens per
         # batch constant: micro_batch rows of seq_len, or 4x the rows at seq_len / 4.
+        if not hasattr(train_data, "doc_offsets"):
+            raise LmtrainError(f"--data {plan.request.data}: --set sampler=dynamic reads one token file's document "
+                               "index; this split is a shard directory: prepare without --shard-mb, or use "
+                               "--set sampler=random")  # fmt: skip
         buckets = tuple(sorted({max(1, plan.seq_len // 4), plan.seq_len}))
         lengths = tokbin.DocumentLengths(np.asarray(train_data.doc_offsets), buckets=buckets)
         return tokbin.DynamicLength(train_data.n_tokens, cfg.micro_batch * plan.seq_len, lengths, seed=cfg.seed,
