@@ -195,6 +195,9 @@ def bench(session: nox.Session) -> None:
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py"))
     if not session.posargs or "shakespeare" in session.posargs:
         scripts.append(ROOT / "tools" / "bench_shakespeare.py")
+    if "finetune" in session.posargs:  # `nox -s bench -- finetune`: LoRA against PEFT + transformers.Trainer
+        session.install(*_with_siblings("lmtrain", ["hf", "qlora", "eval"]))
+        scripts.append(ROOT / "tools" / "bench_finetune.py")
     for script in scripts:
         if session.posargs and not any(a in script.name or a in str(script) for a in session.posargs):
             continue

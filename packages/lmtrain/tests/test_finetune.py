@@ -314,3 +314,17 @@ def test_qlora_finetune_reads_back_as_lora(made, tmp_path):
     original = source["layers.0.self_attn.q_proj.weight"]
     err = (base - original).abs().max().item()
     assert 0 < err <= 0.16 * original.abs().max().item()  # quantized, within NF4's widest half gap of the scale
+
+
+def test_gradient_checkpointing_gives_the_same_losses(made, tmp_path):
+    losses = {}
+    for flag in (False, True):
+        ft = tmp_path / f"ft-{flag}"
+        finetune(f"{made['run']}:latest", made["pairs"], ft, max_steps=3, lora_r=4, seq_len=128, quiet=True,
+                 gradient_checkpointing=flag, overrides={"micro_batch": 2, "log_every": 1, "lr": 1e-2})  # fmt: skip
+        records = [json.loads(line) for line in (ft / "metrics.jsonl").read_text().splitlines()]
+        losses[flag] = [r["loss"] for r in records if "lr" in r]
+        checkpointing = json.loads((ft / "run.json").read_text())["model_config"]["checkpointing"]
+        assert checkpointing == ("block" if flag else "off")
+    assert len(losses[True]) == 3
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
