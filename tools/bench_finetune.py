@@ -31,6 +31,12 @@ from pathlib import Path
 SETTINGS = {"r": 16, "alpha": 32.0, "dropout": 0.05, "lr": 1e-3, "warmup": 5, "min_lr": 2e-6}
 
 
+def chat_pad(sp):
+    from lmtrain.chat import pad_id_for
+
+    return pad_id_for(sp)
+
+
 def _mean_row_tokens(samples, seq_len, batching, eos):
     from lmtrain.chat import pack_rows
 
@@ -78,7 +84,7 @@ def side_ours(args) -> dict:
     summary = finetune(f"{args.run}:best", args.pairs, out, method=args.method, batching=args.batching,
                        seq_len=args.seq_len, max_steps=args.steps, lora_r=SETTINGS["r"], lora_alpha=SETTINGS["alpha"],
                        lora_dropout=SETTINGS["dropout"], overwrite=True, overrides=settings, quiet=True)  # fmt: skip
-    tokens = args.steps * args.batch * _mean_row_tokens(train, args.seq_len, args.batching, sp.eos_id())
+    tokens = args.steps * args.batch * _mean_row_tokens(train, args.seq_len, args.batching, chat_pad(sp))
     loss = heldout_response_loss(out, args.pairs, seq_len=args.seq_len, checkpoint="latest")
     result = {"tokens_per_s": tokens / spent[0], "step_s": spent[0] / args.steps, "loss": loss["loss"],
               "loss_se": loss.get("loss_se"), "loss_tokens": loss["tokens"], "steps": summary.step,

@@ -99,6 +99,16 @@ TOKENS_TEMPLATE = ChatTemplate(
 PLAIN_TEMPLATE = ChatTemplate("plain", {"system": "System:\n", "user": "User:\n", "assistant": "Assistant:\n"}, "\n\n")
 
 
+def pad_id_for(sp: Any) -> int:
+    """The id that fills rows: the tokenizer's pad piece, else its unknown piece; never EOS, which closes a packed
+    sample (a run of EOS padding would be as many one-token documents for the varlen attention, each its own
+    call, which measured several times slower than the samples themselves)."""
+    for i in (sp.pad_id(), sp.unk_id(), 0):
+        if 0 <= i < sp.get_piece_size() and i != sp.eos_id():
+            return int(i)
+    return 1 if sp.eos_id() == 0 else 0
+
+
 def template_for(sp: Any) -> ChatTemplate:
     """The tokens template when every chat token is a single piece of ``sp`` (user-defined), else the plain one."""
     ok = all(sp.piece_to_id(t) != sp.unk_id() and sp.is_control(sp.piece_to_id(t)) is False for t in CHAT_TOKENS)

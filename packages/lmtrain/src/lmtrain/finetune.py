@@ -188,7 +188,7 @@ def _run(request: FinetuneRequest) -> Any:
     model_cfg, train_cfg = configs["model"], configs["train"]
     if request.gradient_checkpointing:
         model_cfg = dataclasses.replace(model_cfg, checkpointing="block")
-    eos = sp.eos_id()
+    eos, pad = sp.eos_id(), chat.pad_id_for(sp)
     if request.batching == "pack":
         # Attention inside each packed sample: every sample ends with EOS, which closes it (lmcore.documents).
         model_cfg = dataclasses.replace(model_cfg, document_separator=eos)
@@ -205,7 +205,7 @@ def _run(request: FinetuneRequest) -> Any:
         train_enc.samples,
         seq_len,
         train_cfg.micro_batch,
-        eos,
+        pad,
         batching=request.batching,
         seed=train_cfg.seed,
         rank=world.rank,
@@ -311,7 +311,7 @@ def _run(request: FinetuneRequest) -> Any:
             print(f"lmtrain finetune: {line}", flush=True)
     del source
     eval_data = chat.eval_batches(
-        val_enc.samples, train_cfg.micro_batch, eos, rank=world.rank, world_size=world.world_size
+        val_enc.samples, train_cfg.micro_batch, pad, rank=world.rank, world_size=world.world_size
     )
 
     def on_ready() -> None:

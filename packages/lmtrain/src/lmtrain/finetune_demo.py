@@ -36,7 +36,7 @@ def heldout_response_loss(run_dir: str | Path, data: str | Path, *, checkpoint: 
     sp = load_tokenizer(run_dir)
     _, val = chat.split_samples(chat.read_samples(data), val_fraction)
     encoded = chat.encode_samples(sp, chat.template_for(sp), val, seq_len)
-    batches = chat.eval_batches(encoded.samples, micro_batch, sp.eos_id())
+    batches = chat.eval_batches(encoded.samples, micro_batch, chat.pad_id_for(sp))
     result = evaluate(lambda x, y: model(x, y).loss, model, batches)
     if result is None:
         raise LmtrainError(f"{data}: no held-out samples to evaluate")
