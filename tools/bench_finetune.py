@@ -202,6 +202,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3, help="alternating ours / PEFT pairs for the speed ratio")
     p.add_argument("--method", default="lora")
     p.add_argument("--batching", default="pad")
     p.add_argument("--hf", default=None)
@@ -244,8 +245,13 @@ def main() -> None:
     export_run(args.run, hf, fmt="hf", force=True)
     print(f"load average at start: {_loadavg()}; settings {SETTINGS}, steps "
           f"{args.steps}, batch {args.batch}, seq_len {args.seq_len}", flush=True)  # fmt: skip
-    ours = child(args, "ours", method="lora", batching="pad")
-    peft = child(args, "peft", hf=str(hf))
+    # The two sides alternate, ``--repeats`` times: on a shared machine the load moves between two runs, and the
+    # ratio of one pair moved from 0.71 to 1.77 between two invocations (docs/benchmarks.md); the median is kept.
+    pairs = []
+    for _ in range(args.repeats):
+        pairs.append((child(args, "ours", method="lora", batching="pad"), child(args, "peft", hf=str(hf))))
+    ratios = sorted(o["tokens_per_s"] / p["tokens_per_s"] for o, p in pairs)
+    ours, peft = pairs[0]
     packed = child(args, "ours", method="lora", batching="pack")
     qlora = child(args, "ours", method="qlora", batching="pad")
     scores = child(args, "scores", tuned=ours["run"], prompts=args.prompts)
@@ -255,7 +261,8 @@ def main() -> None:
         ("held-out response loss, PEFT + Trainer", f"{peft['loss']:.4f} +- {peft['loss_se']:.4f}"),
         ("loss difference ours - PEFT (goal: <= its standard error)",
          f"{ours['loss'] - peft['loss']:+.4f} (se {se:.4f})"),
-        ("finetune_tokens_per_s_vs_peft (goal >= 1.5)", f"{ours['tokens_per_s'] / peft['tokens_per_s']:.2f}"),
+        ("finetune_tokens_per_s_vs_peft (goal >= 1.5), median",
+         f"{ratios[len(ratios) // 2]:.2f} (each pair: {', '.join(f'{r:.2f}' for r in ratios)})"),
         ("tokens/s ours / PEFT", f"{ours['tokens_per_s']:.0f} / {peft['tokens_per_s']:.0f}"),
         ("peak RSS MiB ours / PEFT (goal: ours <= theirs)", f"{ours['peak_rss_mib']:.0f} / {peft['peak_rss_mib']:.0f}"),
         ("packing vs padding tokens/s (ours)", f"{packed['tokens_per_s'] / ours['tokens_per_s']:.2f}"),
@@ -274,7 +281,7 @@ def main() -> None:
         print(f"{name:<{width}}  {value}")
     print(f"load average at end: {_loadavg()}; {time.perf_counter() - t0:.0f} s; "
           f"held-out tokens {int(ours['loss_tokens'])}")  # fmt: skip
-    (out / "results.json").write_text(json.dumps({"ours": ours, "peft": peft, "packed": packed, "qlora": qlora,
+    (out / "results.json").write_text(json.dumps({"pairs": pairs, "packed": packed, "qlora": qlora,
                                                   "scores": scores}, indent=1))  # fmt: skip
 
 
