@@ -64,8 +64,8 @@ def _encoded(run, pairs, seq_len):
 def side_ours(args) -> dict:
     """lmtrain finetune (lora or qlora, pack or pad), step times summed around Trainer.train_step."""
     import trainloop.trainer as trainer_module
-    from lmtrain.finetune import finetune
     from lmtrain.finetune_demo import heldout_response_loss
+    from lmtrain.finetune_run import finetune
 
     spent = [0.0]
     original = trainer_module.Trainer.train_step

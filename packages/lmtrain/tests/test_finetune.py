@@ -26,7 +26,7 @@ from lmtrain.chat import (
     template_for,
 )
 from lmtrain.cli import main
-from lmtrain.finetune import finetune
+from lmtrain.finetune_run import finetune
 
 FT = ["--seq-len", "128", "--lora-r", "4", "--set", "micro_batch=2", "--max-steps", "1"]
 
@@ -328,3 +328,11 @@ def test_gradient_checkpointing_gives_the_same_losses(made, tmp_path):
         assert checkpointing == ("block" if flag else "off")
     assert len(losses[True]) == 3
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_gzip_and_plain_read_alike(made, tmp_path):
+    import gzip
+
+    packed = tmp_path / "pairs.jsonl.gz"
+    packed.write_bytes(gzip.compress(made["pairs"].read_bytes()))
+    assert read_samples(packed) == read_samples(made["pairs"])

@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain --local_rank=0 train ...).
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from lmtrain.finetune import add_finetune_parser
+    from lmtrain.finetune_run import add_finetune_parser
 
     for add in (_add_prepare, _add_train, add_finetune_parser, _add_eval, _add_generate, _add_export, _add_doctor,
                 _add_demo):  # fmt: skip
@@ -350,7 +350,7 @@ def _run_command(args: argparse.Namespace) -> int:
     elif args.command == "train":
         from lmtrain.train_run import run_train as run
     elif args.command == "finetune":
-        from lmtrain.finetune import run_finetune as run
+        from lmtrain.finetune_run import run_finetune as run
     elif args.command == "eval":
         from lmtrain.evaluate import run_eval as run
     elif args.command == "generate":

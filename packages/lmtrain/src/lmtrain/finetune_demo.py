@@ -57,7 +57,7 @@ def heldout_prompts(data: str | Path, out: Path, n: int, val_fraction: float = 0
 def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Fine-tune ``run_dir`` with LoRA on instruction pairs from the standard library for ``time_budget_s`` seconds
     into ``out / "finetune"``, and report the held-out response loss and generation scores before and after."""
-    from lmtrain.finetune import finetune
+    from lmtrain.finetune_run import finetune
     from lmtrain.instructions import write_instructions
 
     pairs = out / "instructions.jsonl"
