@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="lmtrain",
-        description="Train ALiBi GPT models: prepare data, train, evaluate, generate, export, preflight checks, demo.",
+        description="Train ALiBi GPT models: prepare data, train, fine-tune, evaluate, generate, export, preflight "
+        "checks, demo.",
     )
     parser.add_argument("--version", action="version", version=f"lmtrain {__version__}")
     # The deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain --local_rank=0 train ...).
