@@ -71,6 +71,8 @@ class FinetuneRequest:
             raise LmtrainError(f"--too-long {self.too_long!r}: expected truncate or skip")
         if self.resume and self.overwrite:
             raise LmtrainError("--resume continues a run and --overwrite deletes it: give one")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise LmtrainError(f"--seq-len {self.seq_len}: expected a row length of at least 2 tokens")
         if self.max_steps is not None and self.max_steps < 1:
             raise LmtrainError(f"--max-steps {self.max_steps}: expected a positive number of steps")
 
