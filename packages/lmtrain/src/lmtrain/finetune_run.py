@@ -28,9 +28,9 @@ FINETUNE_DEFAULTS: dict[str, Any] = dict(
     lr=2e-4, min_lr=2e-6, schedule="cosine", weight_decay=0.0, micro_batch=8, clip=1.0, log_every=10
 )
 FULL_LR = 5e-5  # the whole model moves: a smaller step than the adapters'
-# Padding is the default batching: on this project's CPU, packed rows measured 0.94x and 0.95x of padding's tokens/s
-# (bench_finetune and a same-process step timing, cpu-small with LoRA r=16, rows of 256; docs/benchmarks.md), the
-# varlen attention running one call per sample there. On a GPU the fused varlen kernel may turn it (not measured).
+# Padding is the default batching: on this project's CPU, packed rows measured 0.83x-0.94x of padding's tokens/s
+# (tools/bench_batching_step.py, tools/bench_finetune.py: cpu-small with LoRA r=16, rows of 256; docs/benchmarks.md),
+# the varlen attention running one call per sample there. On a GPU the fused varlen kernel may turn it (not measured).
 
 
 @dataclasses.dataclass(frozen=True)
