@@ -447,7 +447,7 @@ def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
         "--batching",
         default="pad",
         choices=("pack", "pad"),
-        help="pad each batch to its longest sample (default: it measured as fast as packing on a CPU, "
+        help="pad each batch to its longest sample (default: it measured faster than packing on a CPU, "
         "docs/benchmarks.md), or pack samples into full rows with attention kept inside each",
     )
     p.add_argument("--seq-len", type=int, default=None, help="row length (default: the source run's)")
