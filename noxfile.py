@@ -36,10 +36,11 @@ PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain
 TEST_EXTRAS = {
     "tokbin": ["parquet"],  # Parquet and zstd input are read through pyarrow; without it those tests skip
     "gpumon": ["plot"],
-    "lmcore": ["hf", "gguf"],  # the Hugging Face and GGUF export tests skip without transformers/peft and gguf
+    "lmcore": ["hf", "gguf", "qlora"],  # the Hugging Face, GGUF and QLoRA tests skip without their libraries
     "trainloop": ["deepspeed", "plot", "tensorboard"],
-    # harness: lm-eval and what it brings (datasets, pyarrow, scipy, scikit-learn, ...): 32 s and 556 MB measured
-    "lmtrain": ["hf", "gguf", "harness", "yaml"],
+    # harness: lm-eval and what it brings (datasets, pyarrow, scipy, scikit-learn, ...): 32 s and 556 MB measured;
+    # qlora: finetune --method qlora (torchao); eval: eval --prompts (sacrebleu, rouge-score)
+    "lmtrain": ["hf", "gguf", "harness", "yaml", "qlora", "eval"],
 }
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]
@@ -222,6 +223,9 @@ def bench(session: nox.Session) -> None:
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py"))
     if not session.posargs or "shakespeare" in session.posargs:
         scripts.append(ROOT / "tools" / "bench_shakespeare.py")
+    if "finetune" in session.posargs:  # `nox -s bench -- finetune`: LoRA against PEFT + transformers.Trainer
+        session.install(*_with_siblings("lmtrain", ["hf", "qlora", "eval"]))
+        scripts.append(ROOT / "tools" / "bench_finetune.py")
     for script in scripts:
         if session.posargs and not any(a in script.name or a in str(script) for a in session.posargs):
             continue

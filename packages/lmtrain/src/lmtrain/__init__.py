@@ -1,7 +1,8 @@
 """The integration app: prepare, train, evaluate, generate, preflight checks and a demo for ALiBi GPT models.
 
-``lmtrain.prepare(...)`` and ``lmtrain.train(...)`` are the Python API of `lmtrain prepare` and `lmtrain train`
-(imported on first use, so that ``import lmtrain`` and `lmtrain --help` stay fast). The 4 x 4 RTX 3090 cluster kit
+``lmtrain.prepare(...)``, ``lmtrain.train(...)`` and ``lmtrain.finetune(...)`` are the Python API of `lmtrain
+prepare`, `lmtrain train` and `lmtrain finetune` (imported on first use, so that ``import lmtrain`` and `lmtrain
+--help` stay fast). The 4 x 4 RTX 3090 cluster kit
 lives in tools/cluster-3090/ of the repository.
 """
 
@@ -12,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 from lmtrain.version import __version__
 
 if TYPE_CHECKING:
+    from lmtrain.finetune_run import finetune
     from lmtrain.prepare_data import prepare
     from lmtrain.train_run import RunSummary, train
 
-__all__ = ["RunSummary", "__version__", "prepare", "train"]
-_LAZY = {"prepare": "lmtrain.prepare_data", "train": "lmtrain.train_run", "RunSummary": "lmtrain.train_run"}
+__all__ = ["RunSummary", "__version__", "finetune", "prepare", "train"]
+_LAZY = {"prepare": "lmtrain.prepare_data", "train": "lmtrain.train_run", "RunSummary": "lmtrain.train_run",
+         "finetune": "lmtrain.finetune_run"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

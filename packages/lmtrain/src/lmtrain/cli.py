@@ -47,6 +47,12 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     fmt.add_argument("--parquet-column", metavar="COLUMN", help="the corpus is Parquet: a document per row (pyarrow)")
     p.add_argument("--split-docs", action="store_true", help="plain text: a document per blank-line-separated block")
     p.add_argument("--skip-bad-lines", action="store_true", help="skip and count bad JSONL lines or Parquet rows")
+    p.add_argument(
+        "--clean",
+        action="store_true",
+        help="strip HTML tags, bracketed citation marks ([1], [citation needed]) and runs of whitespace from every "
+        "document before the tokenizer trains and the text is encoded (web text; not for source code)",
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="tokenizer vocabulary size (default: tuned, see docs)")
     p.add_argument(
         "--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"], help="SentencePiece model type"
@@ -155,12 +161,29 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     _add_compile_flag(p)
     p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="RUN[:best|latest|STEP]",
+        help="start from the weights (and model config) of a checkpoint of another run (default: its best), with a "
+        "fresh optimizer and schedule on --data; the run must have been trained with the data's tokenizer",
+    )
+    add_gradient_checkpointing_flag(p)
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="key=value",
         help="override any field of the model or training config, e.g. --set save_every=10 --set precision=fp32",
+    )
+
+
+def add_gradient_checkpointing_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward (the model's checkpointing=block): less memory, "
+        "about one more forward per step",
     )
 
 
@@ -222,6 +245,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         help="lm-evaluation-harness tasks instead (e.g. hellaswag,arc_easy,lambada_openai,wikitext; needs the "
         "harness extra); table and results.json in RUN_DIR/lm-eval/CHECKPOINT-TASKS or --out",
     )
+    what.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="generate an answer to each prompt (chat 'messages' ending in the reference answer, or 'prompt' with "
+        "'reference'/'response') and report BLEU-4, ROUGE-L and exact match (the eval extra: sacrebleu, rouge-score)",
+    )
     harness = p.add_argument_group("with --tasks")
     harness.add_argument("--limit", type=float, default=None, help="documents per task (below 1: a fraction)")
     harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
@@ -231,6 +260,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "--bootstrap-iters", type=int, default=100000, help="bootstrap resamples for standard errors (0: none)"
     )
     harness.add_argument("--out", default=None, metavar="DIR", help="results directory (must not exist)")
+    p.add_argument("--generations", metavar="FILE.jsonl", help="--prompts: where the prompts, references and "
+                   "generations go (default RUN_DIR/generations-<checkpoint>.jsonl)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=256, help="--prompts: longest answer (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="--prompts: 0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="--prompts: sample from the k likeliest tokens")
+    p.add_argument("--generation-seed", type=int, default=None, help="--prompts: seed of the sampling")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: context / 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -310,6 +345,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="lmtrain-demo", metavar="DIR", help="where to write data and run (default ./lmtrain-demo)"
     )
+    p.add_argument(
+        "--finetune",
+        action="store_true",
+        help="then fine-tune with LoRA on instruction pairs built from the same source (signature and docstring -> "
+        "body, held out by module) and print the held-out response loss and BLEU-4 before and after",
+    )
+    p.add_argument("--finetune-budget", type=float, default=120.0, metavar="SECONDS", help="fine-tuning time")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -321,13 +363,17 @@ def build_parser() -> argparse.ArgumentParser:
     """
     parser = argparse.ArgumentParser(
         prog="lmtrain",
-        description="Train ALiBi GPT models: prepare data, train, evaluate, generate, export, preflight checks, demo.",
+        description="Train ALiBi GPT models: prepare data, train, fine-tune, evaluate, generate, export, preflight "
+        "checks, demo.",
     )
     parser.add_argument("--version", action="version", version=f"lmtrain {__version__}")
     # The deepspeed launcher puts --local_rank=N before the subcommand (python -m lmtrain --local_rank=0 train ...).
     parser.add_argument("--local_rank", "--local-rank", dest="launcher_local_rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_prepare, _add_train, _add_eval, _add_generate, _add_export, _add_doctor, _add_demo):
+    from lmtrain.finetune_run import add_finetune_parser
+
+    for add in (_add_prepare, _add_train, add_finetune_parser, _add_eval, _add_generate, _add_export, _add_doctor,
+                _add_demo):  # fmt: skip
         add(sub)
     for command in sub.choices.values():
         command.add_argument(
@@ -346,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A first Ctrl-C during `train` saves and stops at the next step; a second one, or Ctrl-C in any other
         # command (or while one starts), stops at once. 130: the shell's status for a process ended by SIGINT.
         kept = "; the newest complete checkpoint is kept (--resume continues from it)"
-        kept = kept if args.command == "train" else ""
+        kept = kept if args.command in ("train", "finetune") else ""
         print(f"lmtrain {args.command}: interrupted (Ctrl-C): stopped at once{kept}", file=sys.stderr)
         return 130
     finally:
@@ -378,6 +424,8 @@ def _run_command(args: argparse.Namespace) -> int:
         from lmtrain.train_run import run_train as run
     elif args.command == "eval" and args.tasks is not None:
         from lmtrain.harness import run_tasks as run
+    elif args.command == "finetune":
+        from lmtrain.finetune_run import run_finetune as run
     elif args.command == "eval":
         from lmtrain.evaluate import run_eval as run
     elif args.command == "generate":

@@ -188,6 +188,10 @@ def run_demo(args: argparse.Namespace) -> int:
         f"`lmtrain` is not on your PATH: it is in {where}/. Run it by that path as below, or put it on PATH first: "
         f"source {shlex.quote(str(where / 'activate'))}\n"
     )  # fmt: skip
+    if getattr(args, "finetune", False):
+        from lmtrain.finetune_demo import demo_finetune
+
+        demo_finetune(run, out, args.finetune_budget)
     print(
         f"done in {time.perf_counter() - t0:.0f} s ({summary.wall_s:.0f} s of them training). Everything is under "
         f"{out}/:\n  corpus      {corpus}\n  data        {data}/ (meta.json, tokenizer.model, train.bin, val.bin, "

@@ -313,6 +313,22 @@ def check_finite(result: dict[str, Any], model: torch.nn.Module, checkpoint: Pat
     raise LmtrainError(f"{checkpoint}: the evaluation gave {shown}: {cause}; {fix}")
 
 
+def _run_prompts(args: argparse.Namespace) -> int:
+    from lmtrain.generation_eval import evaluate_prompts
+
+    result = evaluate_prompts(args.run, args.prompts, args.generations, checkpoint=args.checkpoint,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              seed=args.generation_seed, top_k=args.top_k, device=args.device)  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    else:
+        n = result["count"]
+        print(f"{args.prompts}: {n} prompts, BLEU-4 {result['bleu4']:.2f} ({result['bleu_signature']}, n={n}), "
+              f"ROUGE-L F1 {result['rougeL_f1']:.4f} (n={n}), exact match {result['exact_match']:.4f} (n={n})\n"
+              f"checkpoint {result['checkpoint']}; generations in {result['generations']}")  # fmt: skip
+    return 0
+
+
 def run_eval(args: argparse.Namespace) -> int:
     """The `lmtrain eval` command (one process, or every rank of a torchrun job; rank 0 prints)."""
     import torch.distributed as dist
@@ -320,6 +336,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from lmtrain.harness import check_mode_flags
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
+    if args.prompts is not None:
+        return _run_prompts(args)
     check_mode_flags(args)
     if args.repeat < 1:
         raise LmtrainError(f"--repeat must be >= 1, got {args.repeat}")

@@ -296,6 +296,12 @@ def export_run(
                                "which takes no separate adapters: add --merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
+    if run.get("finetune", {}).get("batching") == "pack" and model.config.document_separator == run.get("eos_id"):
+        # Packing kept each training sample's attention to itself; a chat holds no EOS before its end, so plain
+        # causal attention computes the same for it (and generation with a KV cache never used the separator).
+        model.config.document_separator = None
+        if on_note is not None:
+            on_note("the fine-tune's packed-sample attention (document_separator = EOS) is left out of the export")
     if fmt == "gguf":
         from lmcore.gguf_mpt import gguf_mismatches
 
@@ -331,7 +337,8 @@ def export_run(
         if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
             sp_path = Path(run_dir) / TOKENIZER_FILE
             with step("export: the tokenizer converted and checked against SentencePiece", enabled=progress, bar=False):
-                _write_tokenizer(sp, sp_path, tmp, trained_context, document_start)
+                _write_tokenizer(sp, sp_path, tmp, trained_context, document_start,
+                                 chat_template=_chat_template(run, Path(run_dir)))  # fmt: skip
             shutil.copyfile(sp_path, tmp / TOKENIZER_FILE)  # what llama.cpp's converter reads the vocabulary from
         with step(f"export: the weights ({fmt.removeprefix('hf-')} layout) -> {out}", enabled=progress, bar=False):
             _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
@@ -365,13 +372,25 @@ def written_format(fmt: str, mismatches: list[str]) -> str:
     return fmt
 
 
-def _write_tokenizer(
-    sp: Any, sp_path: Path, directory: Path, model_max_length: int | None, document_start: int | None
-) -> None:
+def _chat_template(run: dict, run_dir: Path) -> str | None:
+    """The Jinja chat template of a fine-tuned run (lmtrain.chat), None for a run without one."""
+    if run.get("chat_template") is None:
+        return None
+    from lmtrain.chat import ChatTemplate
+
+    return ChatTemplate.from_json(run["chat_template"], str(run_dir / "run.json")).jinja()
+
+
+def _write_tokenizer(sp: Any, sp_path: Path, directory: Path, model_max_length: int | None,
+                     document_start: int | None, chat_template: str | None = None) -> None:  # fmt: skip
     """Convert, save, load back with AutoTokenizer and check, in a subdirectory of its own (AutoTokenizer would
-    otherwise read the model's config, which asks for remote code in a custom export); then move the files up."""
+    otherwise read the model's config, which asks for remote code in a custom export); then move the files up.
+    ``chat_template`` (Jinja) becomes the tokenizer's ``chat_template``."""
     check_dir = directory / ".tokenizer"
-    hf_tokenizer(sp_path, model_max_length, document_start).save_pretrained(check_dir)
+    hf = hf_tokenizer(sp_path, model_max_length, document_start)
+    if chat_template is not None:
+        hf.chat_template = chat_template
+    hf.save_pretrained(check_dir)
     reloaded = _import_hf("transformers").AutoTokenizer.from_pretrained(str(check_dir))
     check_tokenizer(sp, reloaded, tokenizer_check_text(sp), str(sp_path), document_start)
     for f in check_dir.iterdir():

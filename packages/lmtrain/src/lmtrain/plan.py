@@ -23,7 +23,7 @@ from typing import Any, Literal
 from lmtrain.errors import LmtrainError, OverrideError
 from lmtrain.overrides import apply_overrides, targets
 from lmtrain.planner import plan_regularisation, training_passes
-from lmtrain.recipes import DEFAULT_RECIPE, DataConfig, recipe_matching, recipe_named
+from lmtrain.recipes import DEFAULT_RECIPE, RECIPES, DataConfig, recipe_matching, recipe_named
 
 Verify = Literal["sizes", "full"]
 # Setting any of these by hand means the user sized the schedule: a time budget then only caps the run.
@@ -61,10 +61,13 @@ class TrainRequest:
     document_attention: bool = False
     gpumon: bool = False
     compile: bool = False  # torch.compile the model (lmcore.compile_model); on a CPU it measured no faster in fp32
+    init_from: str | None = None  # RUN[:best|latest|STEP]: start from that checkpoint's weights (lmtrain.init_from)
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.model_config is not None:
             raise LmtrainError("give a recipe (--preset) or a model config file (--model-config), not both")
+        if self.init_from is not None and self.model_config is not None:
+            raise LmtrainError("--init-from takes the model config of the run it starts from: drop --model-config")
         if self.resume and self.overwrite:
             raise LmtrainError("--resume continues a run and --overwrite deletes it: give one")
         if self.verify not in ("sizes", "full"):
@@ -96,6 +99,7 @@ class DataInfo:
     train_tokens: int
     saved_run: Mapping[str, Any] | None = None
     tokenizer_sha256: str | None = None  # of the data directory's tokenizer.model
+    init_from: Mapping[str, Any] | None = None  # {"model_config": ..., "record": ...} of the run --init-from names
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class RunPlan:
     tokenizer_sha256: str | None = None  # recorded in run.json and with the weights of every checkpoint
     notes: tuple[str, ...] = ()
     saved_run: Mapping[str, Any] | None = None
+    init_from: Mapping[str, Any] | None = None  # where the starting weights came from (InitSource.record)
 
     @property
     def ds_config(self) -> Any:
@@ -205,7 +210,7 @@ class RunPlan:
             "world_size": self.world.world_size,
             "cpu_threads": self.cpu_threads if self.cpu_threads is not None else self.world.threads_now,
             "notes": list(self.notes),
-        }
+        } | ({"init_from": dict(self.init_from)} if self.init_from is not None else {})
 
     def lines(self) -> list[str]:
         """The command's plan, one line per decision and a last line with the run's size."""
@@ -250,6 +255,18 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
     saved = data.saved_run if request.resume else None
     resumed = saved is not None
     model_cfg, train_cfg, data_cfg, recipe = _base_configs(request, meta, saved, notes)
+    init = data.init_from if saved is None else None
+    if init is not None:
+        from lmcore import ModelConfig
+
+        # The weights fix the shape: the source run's model config; the training and data settings of --preset, or
+        # else of the source run's recipe.
+        model_cfg = ModelConfig.from_dict(dict(init["model_config"]))
+        if request.recipe is None and init.get("recipe") in RECIPES:
+            recipe = str(init["recipe"])
+            train_cfg, data_cfg = RECIPES[recipe].train_config(), RECIPES[recipe].data_config()
+        notes.append(f"weights from {init['record']['run']} ({init['record']['checkpoint']}): its model config, a "
+                     "fresh optimizer and schedule")  # fmt: skip
     values = dict(request.overrides)
     configs = {"model": model_cfg, "train": train_cfg, "data": data_cfg}
     fixed = {name for key in values for _, name in targets(key, configs)}
@@ -372,6 +389,7 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
         resumed=resumed, fixed=frozenset(fixed), world=world, cpu_threads=cpu_threads, step_s=step_s,
         time_threads=time_threads, time_bf16=time_bf16, first_guess=first_guess, regularisation=regularisation,
         adoption=adoption, notes=tuple(notes), saved_run=saved, tokenizer_sha256=data.tokenizer_sha256,
+        init_from=None if init is None else init["record"],
     )  # fmt: skip
 
 

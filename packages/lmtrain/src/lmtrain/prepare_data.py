@@ -133,6 +133,7 @@ def prepare(
     sample_mb: float = DEFAULT_SAMPLE_MB,
     shard_mb: float | None = None,
     skip_bad_lines: bool = False,
+    clean: bool = False,
 ) -> dict[str, Any]:
     """Train the tokenizer on a sample of the training corpus, encode both splits, write and return meta.json.
 
@@ -176,6 +177,7 @@ def prepare(
         # the held-out unit is the document: plain text is cut at blank lines so there are documents to hold out
         "split_docs": fmt_text and (split_docs or fraction is not None),
         "skip_bad_lines": skip_bad_lines,
+        "clean": clean,  # tokbin's cleaning (HTML tags, bracketed citation marks, runs of whitespace), sample too
     }
     check_formats(texts, "--text", jsonl_field=jsonl_field, parquet_column=parquet_column)
     if val_texts:
@@ -225,6 +227,7 @@ def _prepare(
     shard_mb: float | None,
 ) -> dict[str, Any]:
     import tokbin
+    from lmtrain.chat import CHAT_TOKENS
     from lmtrain.progress import step
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
     from tokbin.sample import write_sample
@@ -243,10 +246,13 @@ def _prepare(
         if sample_bytes == 0:
             raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
         try:
+            # The chat template's role and end-of-turn markers are reserved as pieces of their own (lmtrain.chat).
+            options = {**LOSSLESS_SPM_OPTIONS, "user_defined_symbols": [*LOSSLESS_SPM_OPTIONS["user_defined_symbols"],
+                                                                        *CHAT_TOKENS]}  # fmt: skip
             with step(f"tokenizer: training {model_type} (vocab {vocab_size:,}) on {sample_bytes / 1e6:.3g} MB",
                       enabled=progress) as bar:  # fmt: skip
                 model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, progress=bar,
-                                               **LOSSLESS_SPM_OPTIONS)  # fmt: skip
+                                               **options)  # fmt: skip
         except (tokbin.TokenFileError, ValueError) as exc:
             raise LmtrainError(f"tokenizer training failed: {exc}") from None
         if model != out / TOKENIZER_FILE:
@@ -320,6 +326,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         sample_mb=args.tokenizer_sample_mb,
         shard_mb=args.shard_mb,
         skip_bad_lines=args.skip_bad_lines,
+        clean=args.clean,
         progress=not args.quiet,
     )
     for split in ("train", "val"):

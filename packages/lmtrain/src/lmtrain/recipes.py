@@ -19,8 +19,8 @@ from typing import Any, Literal
 DEFAULT_VOCAB_SIZE = 2048
 DEFAULT_VAL_FRACTION = 0.1
 
-Sampler = Literal["random", "epoch"]
-SAMPLERS: tuple[Sampler, ...] = ("random", "epoch")
+Sampler = Literal["random", "epoch", "dynamic"]
+SAMPLERS: tuple[Sampler, ...] = ("random", "epoch", "dynamic")
 
 
 @dataclass
@@ -28,9 +28,12 @@ class DataConfig:
     """The app's own settings between the token files and the trainer (overridable with `--set`).
 
     `seq_len=None` trains at the model's `context_length`. `sampler` is "random" (i.i.d. windows, nanoGPT's
-    recipe) or "epoch" (every window once per epoch, shuffled). `cpu_threads=None` lets a single-process CPU run
-    time a few steps with one thread and with all cores and keep the faster (on a shared 2-core machine one
-    thread measured about 4x faster, tools/bench_threads.py); OMP_NUM_THREADS in the environment also skips the probe.
+    recipe), "epoch" (every window once per epoch, shuffled) or "dynamic" (tokbin's DynamicLength: each batch's
+    length picked from the document it starts at, seq_len / 4 for a short document, else seq_len, at a constant
+    micro_batch x seq_len tokens per batch; `tokbin stats` prints the document lengths it is tuned from).
+    `cpu_threads=None` lets a single-process CPU run time a few steps with one thread and with all cores and keep
+    the faster (on a shared 2-core machine one thread measured about 4x faster, tools/bench_threads.py);
+    OMP_NUM_THREADS in the environment also skips the probe.
     `cpu_matmul_probe` lets a CPU run route its fp32 GEMMs to oneDNN when a short probe at the model's shapes finds
     it faster and still fp32 (`lmcore.route_cpu_matmuls`); false keeps MKL, torch's default, unmeasured.
 
@@ -49,7 +52,7 @@ class DataConfig:
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 2):
             raise ValueError(f"DataConfig.seq_len must be an int >= 2 or None, got {self.seq_len!r}")
         if self.sampler not in SAMPLERS:
-            raise ValueError(f"DataConfig.sampler must be 'random' or 'epoch', got {self.sampler!r}")
+            raise ValueError(f"DataConfig.sampler must be 'random', 'epoch' or 'dynamic', got {self.sampler!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ValueError(f"DataConfig.prefetch must be an int >= 1, got {self.prefetch!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):

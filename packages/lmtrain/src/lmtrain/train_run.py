@@ -74,6 +74,7 @@ def train(
     gpumon: bool = False,
     compile: bool = False,
     quiet: bool = False,
+    init_from: str | None = None,
 ) -> RunSummary:
     """Train a model on ``data`` (a directory written by :func:`lmtrain.prepare.prepare`, or a blend spec inside
     one) into the run directory ``out``, as `lmtrain train` does; returns how the run ended.
@@ -86,7 +87,9 @@ def train(
     ``overwrite`` starts over; ``deepspeed`` (a DeepSpeed JSON file or dict) trains with DeepSpeed;
     ``engine`` is "torch", "fsdp" or "deepspeed" (None: DeepSpeed with a DeepSpeed config, else torch); ``compile``
     compiles the model with ``torch.compile`` (no graph breaks: lmcore.compile_model; on a CPU it measured no faster
-    in fp32 and its first compile takes a minute or more, so it is off by default). ``quiet`` keeps
+    in fp32 and its first compile takes a minute or more, so it is off by default). ``init_from``
+    (``RUN[:best|latest|STEP]``, default ``best``) starts from that checkpoint's weights and model config with a fresh
+    optimizer and schedule (lmtrain.init_from); the run must share the data's tokenizer. ``quiet`` keeps
     the training log off stdout. Bad input is one :class:`~lmtrain.errors.LmtrainError` naming the value and the fix.
 
     Example (`tiny_data`: a little of the standard library's source, prepared; 4 steps of the tiny recipe):
@@ -117,6 +120,7 @@ def train(
         document_attention=document_attention,
         gpumon=gpumon,
         compile=compile,
+        init_from=init_from,
     )
     return run_request(request, quiet=quiet)
 
@@ -209,7 +213,14 @@ def _run(request: TrainRequest, t_start: float, as_json: bool = False) -> RunSum
             f"--data {request.data}: its tokenizer (sha256 {tokenizer_sha}) is not the one {run_dir} was trained "
             f"with (sha256 {saved['tokenizer_sha256']}): resume with that run's data, or start a new run"
         )
-    info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha)
+    source = None
+    if request.init_from is not None and saved is None:
+        from lmtrain.init_from import read_init_source
+
+        source = read_init_source(request.init_from, tokenizer_sha, verify=request.verify)
+    init = None if source is None else {"model_config": source.model_config, "record": source.record(),
+                                        "recipe": source.run.get("recipe")}  # fmt: skip
+    info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha, init)
     world = _world()
     plan = plan_run(request, info, dataclasses.replace(world, elapsed_s=time.perf_counter() - t_start))
     # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
@@ -237,6 +248,11 @@ def _run(request: TrainRequest, t_start: float, as_json: bool = False) -> RunSum
     ds_config = plan.ds_config  # resolved here, once: a value DeepSpeed refuses stops the run before it writes
     torch.manual_seed(plan.train.seed)
     model = GPT(plan.model)
+    if source is not None:
+        from lmtrain.init_from import load_init_weights
+
+        load_init_weights(model, source)
+        source = None  # its copy of the weights is no longer needed
     if request.compile:
         lmcore.compile_model(model)
     rank = world.rank
@@ -369,12 +385,25 @@ def _world() -> World:
 
 
 def _sampler(plan: RunPlan, train_data: Any) -> Any:
+    import numpy as np
+
     import tokbin
 
     cfg, world = plan.train, plan.world
     if plan.request.blend_spec is not None:
         return train_data.sampler(plan.seq_len, cfg.micro_batch, seed=cfg.seed, rank=world.rank,
                                   world_size=world.world_size)  # fmt: skip
+    if plan.data.sampler == "dynamic":
+        # The original recipe's per-batch length (256 for short text, 1024 for long at seq_len 1024), tokens per
+        # batch constant: micro_batch rows of seq_len, or 4x the rows at seq_len / 4.
+        if not hasattr(train_data, "doc_offsets"):
+            raise LmtrainError(f"--data {plan.request.data}: --set sampler=dynamic reads one token file's document "
+                               "index; this split is a shard directory: prepare without --shard-mb, or use "
+                               "--set sampler=random")  # fmt: skip
+        buckets = tuple(sorted({max(1, plan.seq_len // 4), plan.seq_len}))
+        lengths = tokbin.DocumentLengths(np.asarray(train_data.doc_offsets), buckets=buckets)
+        return tokbin.DynamicLength(train_data.n_tokens, cfg.micro_batch * plan.seq_len, lengths, seed=cfg.seed,
+                                    rank=world.rank, world_size=world.world_size)  # fmt: skip
     sampler_cls = tokbin.RandomWindows if plan.data.sampler == "random" else tokbin.EpochWindows
     return sampler_cls(train_data.n_tokens, plan.seq_len, cfg.micro_batch, seed=cfg.seed, rank=world.rank,
                        world_size=world.world_size)  # fmt: skip

@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("file", metavar="FILE.bin|DIR")
     i.add_argument("--json", action="store_true")
 
+    st = sub.add_parser("stats", help="document-length distribution (what the dynamic-length sampler is tuned from)")
+    st.add_argument("file", metavar="FILE.bin")
+    st.add_argument("--buckets", type=int, nargs="+", default=[256, 1024], help="lengths to report shares for")
+    st.add_argument("--json", action="store_true")
+
     v = sub.add_parser("verify", help="check checksum, sizes, ids and tokenizer identity")
     v.add_argument("file", metavar="FILE.bin|DIR")
     v.add_argument("--tokenizer", default=None, metavar="MODEL")
@@ -143,6 +148,14 @@ def _run(args: argparse.Namespace) -> None:
         else:
             for k, val in info.items():
                 print(f"{k:18} {val}")
+    elif args.command == "stats":
+        from tokbin.doc_stats import document_length_stats, format_stats
+
+        tf = open_tokens(args.file)
+        if not hasattr(tf, "doc_offsets"):
+            raise ValueError(f"{args.file}: a shard directory; run `tokbin stats` on one of its shards")
+        stats = document_length_stats(tf.doc_offsets, args.buckets)
+        print(json.dumps(stats, indent=2) if args.json else "\n".join([f"{args.file}:", *format_stats(stats)]))
     elif args.command == "verify":
         summary = open_tokens(args.file).verify(args.tokenizer, progress=not args.quiet)
         print(f"{summary['path']}: OK ({summary['n_tokens']} tokens, max id {summary['max_id']})")

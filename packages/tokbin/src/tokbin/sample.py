@@ -56,6 +56,7 @@ def write_sample(
     errors: str = "strict",
     skip_bad_lines: bool = False,
     hash_split: HashSplit | None = None,
+    clean: bool = False,
 ) -> int:
     """Write about ``n_bytes`` of the inputs' document text to ``output`` as plain text; return the bytes written.
 
@@ -65,14 +66,17 @@ def write_sample(
     whole documents of the other part are left out. Smaller corpora are copied whole (as text). Lines longer than
     ``SAMPLE_LINE_BYTES`` are split (``split_long_lines``) so that SentencePiece trains on them.
 
+    ``clean`` cleans each document as ``encode_files(clean=True)`` does, so a tokenizer trains on the text it will
+    encode.
+
     Example: ``write_sample(["web/"], "sample.txt", 200_000_000, jsonl_field="text")``
     """
     fmt = "jsonl" if jsonl_field is not None else "parquet" if parquet_column is not None else "text"
     paths = expand_inputs(inputs, fmt)
     total = sum(p.stat().st_size for p in paths)  # compressed inputs count their stored size: spread, not exact
     ratio = min(1.0, n_bytes / max(1, total))
-    opts = ReadOptions(fmt, split_docs and fmt == "text", False, SAMPLE_PIECE_BYTES)
-    doc_opts = DocOptions(fmt, opts.split_docs, False, errors, jsonl_field or parquet_column, skip_bad_lines)
+    opts = ReadOptions(fmt, split_docs and fmt == "text", clean, SAMPLE_PIECE_BYTES)
+    doc_opts = DocOptions(fmt, opts.split_docs, clean, errors, jsonl_field or parquet_column, skip_bad_lines)
     seen = written = 0
     with open(Path(output), "wb") as out:
         for piece in read_pieces(paths, opts, parquet_column=parquet_column):

@@ -1,0 +1,136 @@
+"""QLoRA (Dettmers et al. 2023): frozen base weights in 4-bit NormalFloat, LoRA adapters on top.
+
+The NF4 format is torchao's (``NF4Tensor``: blocks of 64 weights share an absmax scale, and the scales are
+quantized again to int8 in blocks of 256), which runs on the CPU as well as on a GPU: 0.52 bytes per weight.
+The layer dequantizes on the fly and multiplies in the input's dtype (the run's: fp32, or bf16 under autocast).
+
+A model's ``state_dict`` holds the dequantized base weights under the plain layer's names, so a QLoRA checkpoint
+is read back (eval, generate, export) as a LoRA model computing the same function; loading a state dict into a
+quantized model keeps its own NF4 weights (they were quantized from the run's source and do not change).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from lmcore.extras import MissingExtraError
+
+NF4_BLOCK = 64  # weights per absmax scale
+NF4_SCALER_BLOCK = 256  # scales per int8 block of the double quantization
+# The widest gap between two neighbouring NF4 codes (-1.0 .. -0.6962; the code is asymmetric, 0.7230 .. 1.0 on
+# the positive side): a weight lands at most half of it, times its block's scale, from its code.
+NF4_MAX_HALF_GAP = (1.0 - 0.6961928009986877) / 2
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def require_nf4() -> Any:
+    """torchao's NF4 module, or a MissingExtraError naming the extra to install."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"QLoRA needs torchao (NF4 weights), which is not importable here ({exc}): "
+            "pip install 'lmtools-lmcore[qlora]' (or lmtools-lmtrain[qlora])"
+        ) from None
+    return nf4_tensor
+
+
+def scaler_block_for(numel: int, block_size: int = NF4_BLOCK) -> int:
+    """The scales per int8 block: NF4_SCALER_BLOCK, or the largest count below it that divides the layer's number
+    of blocks (torchao needs whole blocks; a small layer has fewer than 256 scales).
+
+    Example:
+        >>> scaler_block_for(1024 * 256), scaler_block_for(64 * 64), scaler_block_for(64 * 96)
+        (256, 64, 96)
+    """
+    blocks = numel // block_size
+    return next(s for s in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % s == 0)
+
+
+class NF4Linear(nn.Module):
+    """A frozen nn.Linear whose weight is stored in NF4 (see the module docstring); the bias stays as it was."""
+
+    def __init__(self, linear: nn.Linear, block_size: int = NF4_BLOCK, scaler_block_size: int | None = None):
+        super().__init__()
+        nf4 = require_nf4()
+        if scaler_block_size is None:
+            scaler_block_size = scaler_block_for(linear.weight.numel(), block_size)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = nf4.to_nf4(linear.weight.detach(), block_size, scaler_block_size)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self._linear_nf4 = nf4.linear_nf4
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self._linear_nf4(x, self.weight)  # (..., in) -> (..., out), dequantized on the fly
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> Tensor:
+        """The weight the layer computes with, as a plain tensor (out, in)."""
+        weight: Any = self.weight  # torchao's NF4Tensor
+        return weight.get_original_weight()
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the NF4 weight: codes, int8 scales and their factors."""
+        weight: Any = self.weight  # torchao's NF4Tensor: its inner tensors are what it stores
+        inner, _ = weight.__tensor_flatten__()
+        return sum(getattr(weight, name).numel() * getattr(weight, name).element_size() for name in inner)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        destination[prefix + "weight"] = self.dequantized().detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:  # fmt: skip
+        state_dict.pop(prefix + "weight", None)  # the NF4 weight stays (module docstring)
+        if self.bias is not None and prefix + "bias" in state_dict:
+            with torch.no_grad():
+                self.bias.copy_(state_dict.pop(prefix + "bias"))
+        elif self.bias is not None and strict:
+            missing_keys.append(prefix + "bias")
+
+
+def quantize_frozen_linears(model: M, skip: tuple[str, ...] = ("lm_head",)) -> M:
+    """Replace every frozen nn.Linear of ``model`` (the bases of LoRA adapters and the untouched layers) by an
+    :class:`NF4Linear`, in place; layers named in ``skip`` (the output head, tied to the embedding) stay. Returns
+    ``model``.
+
+    Example (needs torchao):
+        >>> from lmcore import GPT, ModelConfig, apply_lora
+        >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), r=4)
+        >>> model = quantize_frozen_linears(model)
+        >>> type(model.layers[0].self_attn.q_proj.base).__name__, type(model.layers[0].mlp.up_proj).__name__
+        ('NF4Linear', 'NF4Linear')
+    """
+    found = [
+        (parent, attr, child)
+        for parent in model.modules()
+        for attr, child in parent.named_children()
+        if type(child) is nn.Linear
+        and not child.weight.requires_grad
+        and attr not in skip
+        and child.weight.numel() % NF4_BLOCK == 0  # whole blocks of 64 (every width a multiple of 64 qualifies)
+    ]
+    for parent, attr, child in found:
+        setattr(parent, attr, NF4Linear(child))
+    return model
+
+
+def base_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the linear layers' frozen weights as stored ("stored") and as they would be in bf16 ("bf16")."""
+    stored = bf16 = 0
+    for name, module in model.named_modules():
+        if name.endswith("lm_head"):  # the output head: tied to the embedding, which stays as it is
+            continue
+        if isinstance(module, NF4Linear):
+            stored += module.quantized_bytes()
+            bf16 += 2 * module.in_features * module.out_features
+        elif type(module) is nn.Linear and not module.weight.requires_grad:
+            stored += module.weight.numel() * module.weight.element_size()
+            bf16 += 2 * module.weight.numel()
+    return {"stored": stored, "bf16": bf16}
