@@ -139,7 +139,7 @@ def test_gguf_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys, mo
         named = "--format gguf takes no separate adapters: add --merge-lora"
     else:
         monkeypatch.setitem(sys.modules, "gguf", None)
-        named = "needs gguf, which is not installed: pip install 'lmtrain[gguf]'"
+        named = "needs gguf, which is not installed: pip install"
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()
     assert main(["export", "--run", str(source), "--out", str(out), "--format", "gguf", *extra]) == 2

@@ -223,7 +223,9 @@ def test_hf_extra_without_protobuf_is_one_line_naming_it(run, tmp_path, capsys, 
     capsys.readouterr()
     assert export("--run", run, "--out", tmp_path / "out", "--format", "hf") == 2
     err = capsys.readouterr().err.strip().splitlines()
+    from lmcore.extras import install_hint
+
     assert err == ["lmtrain export: error: lmtrain export needs protobuf (to convert the tokenizer), which is not "
-                   "installed: pip install 'lmtrain[hf]' (or --no-tokenizer to export the model alone)"]  # fmt: skip
+                   f"installed: {install_hint('hf', 'lmtrain')} (or --no-tokenizer to export the model alone)"]  # fmt: skip
     assert not (tmp_path / "out").exists()
     assert export("--run", run, "--out", tmp_path / "model", "--format", "hf", "--no-tokenizer") == 0

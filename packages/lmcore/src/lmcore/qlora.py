@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from lmcore.extras import MissingExtraError
+from lmcore.extras import MissingExtraError, install_hint
 
 NF4_BLOCK = 64  # weights per absmax scale
 NF4_SCALER_BLOCK = 256  # scales per int8 block of the double quantization
@@ -34,7 +34,7 @@ def require_nf4() -> Any:
     except ImportError as exc:
         raise MissingExtraError(
             f"QLoRA needs torchao (NF4 weights), which is not importable here ({exc}): "
-            "pip install 'lmtools-lmcore[qlora]' (or lmtools-lmtrain[qlora])"
+            f"{install_hint('qlora', 'lmtrain')} (or {install_hint('qlora')} for lmcore alone)"
         ) from None
     return nf4_tensor
 

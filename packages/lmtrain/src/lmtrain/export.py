@@ -70,9 +70,11 @@ def _require_protobuf() -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in ("google", "google.protobuf"):
             raise
+        from lmcore.extras import install_hint
+
         raise LmtrainError(
             "lmtrain export needs protobuf (to convert the tokenizer), which is not installed: "
-            "pip install 'lmtrain[hf]' (or --no-tokenizer to export the model alone)"
+            f"{install_hint('hf', 'lmtrain')} (or --no-tokenizer to export the model alone)"
         ) from None
 
 
@@ -290,10 +292,12 @@ def export_run(
     if lora_modules(model):
         if merge_lora:
             merge(model)
-        elif fmt in ("hf-custom", "gguf"):
+        elif fmt == "gguf":
+            raise LmtrainError("--format gguf takes no separate adapters: add --merge-lora to fold them in")
+        elif fmt == "hf-custom":
             why = f" (the model does not map onto MPT: {'; '.join(bad)})" if asked == "hf" else ""
-            raise LmtrainError(f"--format {asked} writes {'custom code' if fmt == 'hf-custom' else 'one file'}{why}, "
-                               "which takes no separate adapters: add --merge-lora to fold them in")  # fmt: skip
+            raise LmtrainError(f"--format {asked} writes custom code{why}, which takes no separate adapters: add "
+                               "--merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
     if run.get("finetune", {}).get("batching") == "pack" and model.config.document_separator == run.get("eos_id"):

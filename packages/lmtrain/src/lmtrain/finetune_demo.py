@@ -87,7 +87,9 @@ def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[
             f"{scores_after['bleu4']:.2f} after; ROUGE-L F1 {scores_before['rougeL_f1']:.3f} -> "
             f"{scores_after['rougeL_f1']:.3f}; generations in {out}/generations-*.jsonl")  # fmt: skip
     else:
-        say("BLEU-4 / ROUGE-L: not computed (the eval extra is not installed: pip install 'lmtools-lmtrain[eval]')")
+        from lmcore.extras import install_hint
+
+        say(f"BLEU-4 / ROUGE-L: not computed (the eval extra is not installed: {install_hint('eval', 'lmtrain')})")
     return result
 
 

@@ -19,8 +19,6 @@ from typing import Any
 
 from lmtrain.errors import LmtrainError
 
-EVAL_EXTRA = "pip install 'lmtools-lmtrain[eval]' (sacrebleu, rouge-score)"
-
 
 def require_scorers() -> tuple[Any, Any]:
     """(sacrebleu, rouge_score.rouge_scorer), or one LmtrainError naming the extra."""
@@ -28,8 +26,10 @@ def require_scorers() -> tuple[Any, Any]:
         import sacrebleu
         from rouge_score import rouge_scorer
     except ImportError as exc:
+        from lmcore.extras import install_hint
+
         raise LmtrainError(f"--prompts needs sacrebleu and rouge-score, which are not importable here ({exc.name}): "
-                           f"{EVAL_EXTRA}") from None  # fmt: skip
+                           f"{install_hint('eval', 'lmtrain')}") from None  # fmt: skip
     return sacrebleu, rouge_scorer
 
 

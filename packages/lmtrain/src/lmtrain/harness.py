@@ -42,8 +42,10 @@ def import_harness() -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "lm_eval":
             raise
+        from lmcore.extras import install_hint
+
         raise LmtrainError(
-            "--tasks needs lm-evaluation-harness, which is not installed: pip install 'lmtrain[harness]'"
+            f"--tasks needs lm-evaluation-harness, which is not installed: {install_hint('harness', 'lmtrain')}"
         ) from None
     return lm_eval
 

@@ -330,7 +330,8 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
 
     values: dict[str, Any] = read_run_file(args.config) if args.config else {"overrides": {}}
     flags = {"data": args.data, "out": args.out, "model_config": args.model_config, "time_budget_s": args.time_budget,
-             "max_steps": args.max_steps, "deepspeed": args.deepspeed, "engine": args.engine}  # fmt: skip
+             "max_steps": args.max_steps, "deepspeed": args.deepspeed, "engine": args.engine,
+             "init_from": args.init_from}  # fmt: skip
     if args.preset is not None or args.model_config is not None:  # a model on the command line replaces the file's
         values.pop("recipe", None)
         values.pop("model_config", None)
@@ -340,6 +341,8 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
     for key in ("document_attention", "gpumon", "compile"):
         values[key] = getattr(args, key) or bool(values.get(key, False))
     overrides = {**values.pop("overrides"), **dict(parse_pairs(args.overrides))}
+    if args.gradient_checkpointing:
+        overrides["model.checkpointing"] = "block"
     if args.tensorboard:
         overrides["train.tensorboard"] = True
     if args.wandb is not None:
