@@ -225,7 +225,8 @@ def test_hf_extra_without_protobuf_is_one_line_naming_it(run, tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     from lmcore.extras import install_hint
 
+    hint = install_hint("hf", "lmtrain")
     assert err == ["lmtrain export: error: lmtrain export needs protobuf (to convert the tokenizer), which is not "
-                   f"installed: {install_hint('hf', 'lmtrain')} (or --no-tokenizer to export the model alone)"]  # fmt: skip
+                   f"installed: {hint} (or --no-tokenizer to export the model alone)"]  # fmt: skip
     assert not (tmp_path / "out").exists()
     assert export("--run", run, "--out", tmp_path / "model", "--format", "hf", "--no-tokenizer") == 0
