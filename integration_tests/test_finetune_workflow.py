@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import child_env, lmtrain_cmd, run_lmtrain, train_losses
 from test_distributed import free_port, torchrun
 
@@ -87,14 +88,28 @@ def test_sigterm_then_resume_gives_the_same_losses(base, tmp_path):
         assert math.isclose(got[step], loss, rel_tol=1e-6, abs_tol=1e-7), (step, stopped_at, got[step], loss)
 
 
-def test_finetune_under_torchrun(base, tmp_path):
+@pytest.mark.parametrize("engine", ["torch", "fsdp"])
+def test_finetune_under_torchrun(base, tmp_path, engine):
     run, pairs = base
     out = tmp_path / "ranks"
     cmd = torchrun("--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                    "-m", "lmtrain", "finetune", "--from", f"{run}:best", "--data", str(pairs), "--out", str(out),
-                   *FT, "--max-steps", "3")  # fmt: skip
+                   *FT, "--max-steps", "3", "--engine", engine)  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(train_losses(out)) == [1, 2, 3]
     manifest = json.loads((out / "checkpoints" / "step_00000003" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and {"rank0.pt", "rank1.pt"} <= set(manifest["files"])
+    assert manifest["world_size"] == 2 and manifest.get("engine", "torch") == engine
+    if engine == "torch":
+        assert {"rank0.pt", "rank1.pt"} <= set(manifest["files"])
+    # The adapters file holds whole adapters (gathered from the shards under fsdp), equal to the final checkpoint's.
+    from safetensors.torch import load_file
+
+    from lmcore import lora_state
+    from lmtrain.run_files import load_trained_model
+
+    adapters = load_file(str(out / "adapters.safetensors"))
+    model, _, _ = load_trained_model(out, checkpoint="latest")
+    assert adapters.keys() == lora_state(model).keys()
+    assert all(torch.equal(adapters[k], v) for k, v in lora_state(model).items())
+    assert any(float(v.abs().sum()) > 0 for k, v in adapters.items() if k.endswith("lora_B"))  # B starts at zero

@@ -16,7 +16,7 @@ from lmcore.init_schemes import (
     init_xavier,
     initialize,
 )
-from lmcore.lora import LoRALinear, apply_lora, load_lora, merge_lora, save_lora
+from lmcore.lora import LoRALinear, apply_lora, load_lora, lora_state, merge_lora, save_lora
 from lmcore.memory import MemoryEstimate, estimate_fsdp_memory, estimate_memory
 from lmcore.model import GPT, KVCache, LMOutput, check_token_ids
 from lmcore.step_timing import StepTiming, choose_threads, time_step
@@ -58,5 +58,6 @@ __all__ = [
     "n_params",
     "route_cpu_matmuls",
     "save_lora",
+    "lora_state",
     "time_step",
 ]

@@ -150,8 +150,29 @@ def merge_lora(model: M) -> M:
     return model
 
 
-def save_lora(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+def lora_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter weights by name (``<module>.lora_A``, ``<module>.lora_B``), whole: an adapter sharded over ranks
+    (a DTensor, under FSDP) is gathered, which is a collective: call it on every rank then.
+
+    Example:
+        >>> from lmcore import GPT, ModelConfig
+        >>> model = apply_lora(GPT(ModelConfig.from_preset("tiny")), targets=["q"], r=4)
+        >>> sorted(lora_state(model))[:2], tuple(lora_state(model)["layers.0.self_attn.q_proj.lora_A"].shape)
+        (['layers.0.self_attn.q_proj.lora_A', 'layers.0.self_attn.q_proj.lora_B'], (4, 64))
+    """
+    tensors = {}
+    for name, adapter in lora_modules(model).items():
+        for part in ("lora_A", "lora_B"):
+            t = getattr(adapter, part).detach()
+            full = getattr(t, "full_tensor", None)
+            tensors[f"{name}.{part}"] = (full() if full is not None else t).contiguous()
+    return tensors
+
+
+def save_lora(model: nn.Module, path: str | os.PathLike[str], tensors: dict[str, Tensor] | None = None) -> Path:
     """Write only the adapter weights (A and B) to a safetensors file, with r, alpha, dropout, targets as metadata.
+    ``tensors``: the weights as :func:`lora_state` gathered them (on every rank, for adapters sharded over ranks);
+    by default they are read off the model.
 
     Example:
         >>> import json, tempfile
@@ -167,13 +188,9 @@ def save_lora(model: nn.Module, path: str | os.PathLike[str]) -> Path:
         {'targets': ['q_proj', 'v_proj'], 'r': 4, 'alpha': 16.0, 'dropout': 0.0}
         >>> out.cleanup()
     """
-    adapters = lora_modules(model)
-    if not adapters:
+    if not lora_modules(model):
         raise ValueError("model has no LoRA adapters to save")
-    tensors = {}
-    for name, adapter in adapters.items():
-        tensors[f"{name}.lora_A"] = adapter.lora_A.detach().contiguous()
-        tensors[f"{name}.lora_B"] = adapter.lora_B.detach().contiguous()
+    tensors = lora_state(model) if tensors is None else tensors
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"lora_settings": json.dumps(model.lora_settings)})

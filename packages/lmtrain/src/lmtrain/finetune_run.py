@@ -54,6 +54,7 @@ class FinetuneRequest:
     resume: bool = False
     overwrite: bool = False
     gradient_checkpointing: bool = False
+    engine: str = "torch"  # "torch" (one process, or DDP under torchrun) or "fsdp" (trainloop's fully_shard engine)
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,11 @@ class FinetuneRequest:
             raise LmtrainError(f"--lora-dropout {self.lora_dropout!r}: expected a probability in [0, 1)")
         if not 0.0 < self.val_fraction < 1.0:
             raise LmtrainError(f"--val-fraction {self.val_fraction!r}: expected a fraction in (0, 1)")
+        if self.engine not in ("torch", "fsdp"):
+            raise LmtrainError(f"--engine {self.engine!r}: finetune runs on torch (one process or DDP) or fsdp")
+        if self.engine == "fsdp" and self.method == "qlora":
+            raise LmtrainError("--method qlora with --engine fsdp: the 4-bit base weights are not sharded by "
+                               "fully_shard; use --engine torch for QLoRA, or --method lora with fsdp")  # fmt: skip
         if self.batching not in ("pack", "pad"):
             raise LmtrainError(f"--batching {self.batching!r}: expected pack or pad")
         if self.too_long not in ("truncate", "skip"):
@@ -95,6 +101,7 @@ def finetune(
     resume: bool = False,
     overwrite: bool = False,
     gradient_checkpointing: bool = False,
+    engine: str = "torch",
     overrides: Mapping[str, Any] | None = None,
     quiet: bool = False,
 ) -> Any:
@@ -102,7 +109,8 @@ def finetune(
     run directory ``out``, as `lmtrain finetune` does; returns the :class:`~lmtrain.train_run.RunSummary`.
 
     ``overrides`` sets TrainConfig fields (``{"lr": 1e-4, "eval_every": 20}``) and model fields that change no shape
-    (``"dropout"``). Without ``max_steps`` the run trains one epoch of the training samples.
+    (``"dropout"``). Without ``max_steps`` the run trains one epoch of the training samples. ``engine`` is
+    "torch" or "fsdp" (the frozen base and the adapters sharded over the ranks of a torchrun job).
 
     Example (`tiny_run`: 4 steps of the tiny preset; 40 instruction pairs from a little of the standard library):
         >>> import json, tempfile
@@ -135,6 +143,7 @@ def finetune(
         resume=resume,
         overwrite=overwrite,
         gradient_checkpointing=gradient_checkpointing,
+        engine=engine,
         overrides=dict(overrides or {}),
     )
     return run_finetune_request(request, quiet=quiet)
@@ -225,7 +234,7 @@ def _run(request: FinetuneRequest) -> Any:
         )
     steps = request.max_steps or (train_cfg.max_steps if "max_steps" in request.overrides else per_epoch)
     every = max(1, steps // 4)
-    changes: dict[str, Any] = {"max_steps": steps, "time_budget_s": request.time_budget_s}
+    changes: dict[str, Any] = {"max_steps": steps, "time_budget_s": request.time_budget_s, "engine": request.engine}
     for name, value in (
         ("t_max", steps),
         ("warmup_steps", min(steps // 10, 100)),
@@ -264,6 +273,7 @@ def _run(request: FinetuneRequest) -> Any:
         "batching": request.batching,
         "val_fraction": request.val_fraction,
         "too_long": request.too_long,
+        "engine": request.engine,
         "seq_len": seq_len,
         "max_steps": request.max_steps,
         "samples": {
@@ -335,6 +345,8 @@ def _run(request: FinetuneRequest) -> Any:
             extra_state={"model_config": model_cfg.to_dict(), "tokenizer_sha256": tokenizer_sha, "finetune": record},
         )
         out = trainer.fit(resume=request.resume, overwrite=request.overwrite, on_ready=on_ready)
+        # Sharded adapters (fsdp) are gathered on every rank (a collective) before rank 0 writes them.
+        adapters = lmcore.lora_state(model) if lora_settings is not None else None
     except (ConfigError, CheckpointError) as exc:
         raise LmtrainError(str(exc)) from exc
     except CollectiveError as exc:
@@ -347,7 +359,7 @@ def _run(request: FinetuneRequest) -> Any:
     if lora_settings is not None and world.rank == 0:
         from lmcore import save_lora
 
-        save_lora(model, run_dir / "adapters.safetensors")
+        save_lora(model, run_dir / "adapters.safetensors", tensors=adapters)
     summary = RunSummary(run_dir=run_dir, budget_plans=(), plan=None, **out)  # type: ignore[arg-type]
     if world.rank == 0:
         write_json_atomic(run_dir / SUMMARY_FILE, json.loads(json.dumps(summary.to_dict(), default=str)))
@@ -375,6 +387,7 @@ def _request_as_saved(request: FinetuneRequest, saved: Mapping[str, Any]) -> Fin
         val_fraction=saved.get("val_fraction", request.val_fraction),
         seq_len=saved.get("seq_len", request.seq_len),
         too_long=saved.get("too_long", request.too_long),
+        engine=saved.get("engine", request.engine),
         max_steps=saved.get("max_steps", request.max_steps),
         lora_r=lora.get("r", request.lora_r),
         lora_alpha=lora.get("alpha", request.lora_alpha),
@@ -407,6 +420,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
         gradient_checkpointing=args.gradient_checkpointing,
+        engine=args.engine,
         overrides=dict(parse_pairs(args.overrides)),
     )
     run_finetune_request(request)
@@ -464,6 +478,13 @@ def add_finetune_parser(sub: argparse._SubParsersAction) -> None:
     restart.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
     restart.add_argument("--overwrite", action="store_true", help="start over in a RUN_DIR that holds checkpoints")
     add_gradient_checkpointing_flag(p)
+    p.add_argument(
+        "--engine",
+        default="torch",
+        choices=("torch", "fsdp"),
+        help="torch (one process, or DDP under torchrun; the default) or fsdp (PyTorch's fully_shard: the frozen "
+        "base and the adapters sharded over the ranks)",
+    )
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--set",
