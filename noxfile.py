@@ -164,7 +164,9 @@ def integration(session: nox.Session) -> None:
     session.run("lmtrain", "--help", silent=True)
     # The two-rank tests need DeepSpeed (in the extra's range) whether or not the README's line brought it.
     deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
-    session.install(*deepspeed, *TEST_TOOLS)
+    # The fine-tuning workflow test scores generations (eval --prompts: sacrebleu, rouge-score).
+    scorers = pyproject("lmtrain")["project"]["optional-dependencies"]["eval"]
+    session.install(*deepspeed, *scorers, *TEST_TOOLS)
     _pytest(session, "integration_tests")
 
 
