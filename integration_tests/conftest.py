@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lmtrain.demo import build_corpus
+from lmtrain.corpus import build_corpus
 
 TRAIN_CHARS = 200_000  # train on this many characters of the corpus; the next VAL_CHARS validate
 VAL_CHARS = 20_000

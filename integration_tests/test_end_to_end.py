@@ -19,7 +19,7 @@ def _windowed_nll(run, text: str, context: int, stride: int) -> tuple[float, int
 
     model, info, _ = load_trained_model(run, checkpoint="best")
     sp = spm.SentencePieceProcessor(model_file=str(run / "tokenizer.model"))
-    ids = torch.tensor([info["eos_id"], *sp.encode(text)])
+    ids = torch.tensor([info.eos_id, *sp.encode(text)])
     n = ids.numel() - 1
     ends = [min(context, n)]
     while ends[-1] < n:

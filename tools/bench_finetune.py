@@ -217,7 +217,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if args.run is None:
-        from lmtrain.demo import build_corpus
+        from lmtrain.corpus import build_corpus
         from lmtrain.prepare_data import prepare
         from lmtrain.train_run import train
 

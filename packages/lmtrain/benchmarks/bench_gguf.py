@@ -43,7 +43,7 @@ def have(module: str) -> bool:
 
 
 def trained_run(work: Path, budget: float) -> Path:
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
     from lmtrain.prepare_data import prepare
     from lmtrain.train_run import train
 
@@ -139,9 +139,9 @@ def main() -> int:
     run = Path(args.run) if args.run else trained_run(work, args.time_budget)
     model, run_json, checkpoint = load_trained_model(run)
     sp = load_tokenizer(run)
-    eos = run_json["eos_id"]
-    context = int(run_json["data_config"]["seq_len"])
-    val = Path(args.text) if args.text else Path(run_json["data"]) / "val.txt"  # prepare's held-out text
+    eos = run_json.eos_id
+    context = run_json.seq_len
+    val = Path(args.text) if args.text else Path(run_json.data) / "val.txt"  # prepare's held-out text
     text = val.read_text(encoding="utf-8")[:200_000]
     ids = [eos] + encode(sp, text)
     windows = windows_of(ids, 2 * context, args.windows)  # twice the training context: ALiBi past it

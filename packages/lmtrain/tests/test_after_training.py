@@ -163,7 +163,7 @@ def test_llama_cpp_runs_the_gguf_export_where_installed(run, tmp_path):
     assert main(["export", "--run", str(run), "--out", str(path), "--format", "gguf", "--outtype", "f32"]) == 0
     model, run_json, _ = load_trained_model(run)
     text = (run.parent / "input.txt").read_text(encoding="utf-8")[:3000]
-    ours = [run_json["eos_id"]] + encode(load_tokenizer(run), text)
+    ours = [run_json.eos_id] + encode(load_tokenizer(run), text)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, n_ubatch=128, logits_all=True,
                           n_threads=1, verbose=False)  # fmt: skip
     assert llm.tokenize(text.encode("utf-8"), add_bos=True, special=False) == ours

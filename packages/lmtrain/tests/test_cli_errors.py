@@ -27,7 +27,7 @@ TRAIN = ["--preset", "tiny", "--max-steps", "2", "--set", "cpu_threads=1", "--se
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A prepared data directory and a run trained on it for two steps (a checkpoint with model.safetensors)."""
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
     from lmtrain.prepare_data import prepare
 
     root = tmp_path_factory.mktemp("cli")

@@ -18,13 +18,13 @@ def data(tmp_path_factory):
 
 
 def test_train_with_the_dynamic_sampler(data, tmp_path):
-    from lmtrain.train_run import _sampler
+    from lmtrain.train_run import sampler_for
 
     summary = train(data, tmp_path / "run", recipe="tiny", max_steps=3, quiet=True,
                     overrides={"sampler": "dynamic", "seq_len": 128, "cpu_threads": 1, "log_every": 1})  # fmt: skip
     assert summary.step == 3
     assert json.loads((tmp_path / "run" / "run.json").read_text())["data_config"]["sampler"] == "dynamic"
-    sampler = _sampler(summary.plan, tokbin.open_tokens(data / "train.bin"))
+    sampler = sampler_for(summary.plan, tokbin.open_tokens(data / "train.bin"))
     assert isinstance(sampler, tokbin.DynamicLength)
     # Tokens per batch stay constant while the length follows the documents drawn: 32 (short) or 128 tokens.
     shapes = {(len(starts), seq) for starts, seq in (sampler.batch(i) for i in range(50))}

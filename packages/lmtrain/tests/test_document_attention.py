@@ -66,7 +66,7 @@ def test_token_file_without_eos_is_a_one_line_error(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """30,000 characters of this Python's standard-library source (the demo's corpus), prepared."""
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
     from lmtrain.prepare_data import prepare
 
     root = tmp_path_factory.mktemp("doc")
@@ -91,7 +91,7 @@ def test_run_keeps_the_separator_for_eval_and_generate(prepared, tmp_path, capsy
     assert main(args) == 0
     eos = tokbin.TokenFile(prepared / "data" / "train.bin").eos_id
     model, run_info, _ = load_trained_model(run)
-    assert eos is not None and model.config.document_separator == eos == run_info["eos_id"]
+    assert eos is not None and model.config.document_separator == eos == run_info.eos_id
 
     # eval uses the checkpoint's config: its figure is the document-attention model's, not the plain one's.
     val = prepared / "val.txt"

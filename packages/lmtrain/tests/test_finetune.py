@@ -85,7 +85,7 @@ def test_truncation_keeps_the_start_and_counts(made, tmp_path):
 
 def test_plain_template_for_a_tokenizer_without_chat_tokens(tmp_path):
     import tokbin
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
     from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
 
     build_corpus(tmp_path / "c.txt", 60_000)
@@ -311,7 +311,7 @@ def test_qlora_finetune_reads_back_as_lora(made, tmp_path):
                        overrides={"micro_batch": 2}, quiet=True)  # fmt: skip
     assert summary.step == 2
     model, run, _ = load_trained_model(ft, checkpoint="latest")
-    assert run["finetune"]["method"] == "qlora" and len(lora_modules(model)) == 8
+    assert run.finetune["method"] == "qlora" and len(lora_modules(model)) == 8
     source = load_file(str(made["run"] / "checkpoints" / "step_00000004" / "model.safetensors"))
     base = model.layers[0].self_attn.q_proj.base.weight
     original = source["layers.0.self_attn.q_proj.weight"]

@@ -130,7 +130,7 @@ def test_generate_until_is_lmtrain_generate_greedy_cut_at_the_stop(run):
     from lmtrain.sample import generate_text
 
     model, run_json, _ = load_trained_model(run)
-    lm = run_lm(model, load_tokenizer(run), eos_id=run_json["eos_id"], max_length=64)
+    lm = run_lm(model, load_tokenizer(run), eos_id=run_json.eos_id, max_length=64)
     for i, prompt in enumerate(["def main(", "import "]):
         greedy = generate_text(str(run), prompt, max_new_tokens=12, temperature=0)[len(prompt) :]
         stop = greedy[3:5]  # a stop string the continuation holds: the harness's text ends before it

@@ -99,7 +99,7 @@ def test_a_tokenizer_that_is_not_the_weights_is_refused(run_copy, tmp_path, caps
 
 
 def test_resuming_on_data_with_another_tokenizer_is_refused_before_anything_changes(run_copy, tmp_path, capsys):
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
     from lmtrain.prepare_data import prepare
 
     run, _ = run_copy

@@ -7,13 +7,14 @@ import os
 import pytest
 
 from lmtrain.errors import LmtrainError
-from lmtrain.plan import DataInfo, TrainRequest, World, plan_run
+from lmtrain.plan import DataInfo, TrainRequest, World, plan_run, train_record
 from lmtrain.run_files import read_meta
+from lmtrain.run_record import RunRecord
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from lmtrain.demo import tiny_data
+    from lmtrain.examples import tiny_data
 
     return tiny_data(tmp_path_factory.mktemp("plan"))
 
@@ -29,7 +30,7 @@ def test_planning_writes_nothing_and_is_repeatable(data, tmp_path):
                            overrides={"lr": "2e-3", "model.dropout": 0.05})  # fmt: skip
     world = World(cpu_count=2, step_s={1: 0.05, 2: 0.08}, elapsed_s=10.0)
     first, second = plan_run(request, _info(data), world), plan_run(request, _info(data), world)
-    assert first.to_json() == second.to_json() and first.lines() == second.lines()
+    assert train_record(first, _info(data)) == train_record(second, _info(data)) and first.lines() == second.lines()
     assert sorted(os.listdir(data)) == before and not (tmp_path / "run").exists()
     assert first.train.lr == 2e-3 and first.model.dropout == 0.05  # the string converted, the float taken as is
     assert {"lr", "dropout"} <= first.fixed
@@ -56,14 +57,14 @@ def test_a_budget_asks_for_step_times_then_charges_the_setup(data, tmp_path):
 def test_a_resumed_run_keeps_its_configs_and_says_what_it_ignored(data, tmp_path):
     fresh = plan_run(TrainRequest(data=str(data), out=str(tmp_path), recipe="tiny", max_steps=8),
                      _info(data), World(threads_fixed=True))  # fmt: skip
-    saved = json.loads(json.dumps(fresh.to_json()))
+    saved = RunRecord.from_json(json.loads(json.dumps(train_record(fresh, _info(data)).to_json())), "run.json")
     request = TrainRequest(data=str(data), out=str(tmp_path), recipe="cpu-small", resume=True)
     resumed = plan_run(request, _info(data, saved), World(threads_fixed=True, world_size=2))
     assert resumed.recipe == "tiny" and resumed.model.to_dict() == fresh.model.to_dict()
     assert resumed.train.grad_accum * resumed.train.micro_batch * 2 == fresh.train.micro_batch * fresh.train.grad_accum
     assert any("--preset cpu-small ignored" in line for line in resumed.lines())
     assert any(line.startswith("resuming a run of 1 rank(s) on 2") for line in resumed.lines())
-    assert resumed.to_json()["world_size"] == 2
+    assert train_record(resumed, _info(data, saved)).world_size == 2
 
 
 @pytest.mark.parametrize(
@@ -131,35 +132,6 @@ def test_a_budgeted_cpu_run_takes_bf16_only_where_it_measured_faster(data, tmp_p
     assert not plan_run(mine, _info(data), World(**timed)).time_bf16
 
 
-def test_the_thread_count_is_rechecked_at_each_replan(data, monkeypatch):
-    import torch
-
-    import lmcore
-    from lmcore import GPT
-    from lmtrain.train_run import ThreadCheck
-    from trainloop import BUDGET
-
-    request = TrainRequest(data=str(data), out="r", recipe="tiny", time_budget_s=100)
-    plan = plan_run(request, _info(data), World(cpu_count=2, step_s={1: 0.1, 2: 0.2}))
-    seconds = {1: 0.30, 2: 0.10}  # other work went away: two threads are now three times faster
-
-    def timed(step, threads, *, steps=3, warmup=1):
-        step()
-        return lmcore.StepTiming(threads, seconds[threads], seconds[threads], steps)
-
-    monkeypatch.setattr(lmcore, "time_step", timed)
-    schedule = ThreadCheck(BUDGET.schedule(plan.loop_config), GPT(plan.model), plan, counts=(1, 2))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert schedule.observe(5, 10.0) is None  # no re-plan yet: nothing measured
-        message = schedule.observe(50, 25.0)  # the first re-plan (20% of 100 s)
-        assert "re-planned at step 50" in message and "threads 1 -> 2" in message
-        assert torch.get_num_threads() == 2 and schedule.plans and schedule.max_steps == schedule.schedule.max_steps
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_compile_and_the_matmul_probe_reach_lmcore(data, tmp_path, monkeypatch):
     import lmcore
 
@@ -210,9 +182,9 @@ def test_the_world_reports_what_the_planner_rules_need():
     import torch
 
     import lmcore
-    from lmtrain.train_run import _world
+    from lmtrain.scaffold import current_world
 
-    world = _world()
+    world = current_world()
     assert world.native_bf16 == (not torch.cuda.is_available() and lmcore.cpu_has_native_bf16())
     assert world.threads_now == torch.get_num_threads() and world.cpu_count >= 1
 

@@ -10,7 +10,7 @@ import pytest
 
 import tokbin
 from lmtrain.cli import main
-from lmtrain.demo import build_corpus
+from lmtrain.corpus import build_corpus
 from lmtrain.errors import LmtrainError
 from lmtrain.run_files import read_meta
 

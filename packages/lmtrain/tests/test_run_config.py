@@ -76,22 +76,25 @@ def test_a_bad_run_file_is_one_line_and_writes_nothing(text, named, tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-def test_the_run_ends_with_a_block_people_read_and_the_same_facts_as_json(run, tmp_path, capsys):
+def test_the_run_ends_with_a_block_people_read_or_its_facts_as_json(run, tmp_path, capsys):
     data = run.parent / "data"
     argv = ["train", "--data", str(data), "--out", str(tmp_path / "r"), "--preset", "tiny", "--max-steps", "2",
             "--set", "eval_every=2", "--set", "log_every=1", "--set", "cpu_threads=1", "--no-progress"]  # fmt: skip
     capsys.readouterr()
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    facts = json.loads(lines[-1])["summary"]
-    block = lines[lines.index("lmtrain: run finished") : -1]
+    facts = json.loads((tmp_path / "r" / "summary.json").read_text())
+    block = lines[lines.index("lmtrain: run finished") :]
     text = "\n".join(block)
-    assert facts["reason"] == "planned end (max_steps 2)" and "planned end (max_steps 2), at step 2" in text
+    assert not any(line.startswith("{") for line in lines), "a JSON line without --json"
+    assert facts["stopped"] is None and "planned end (max_steps 2), at step 2" in text
     assert "nats/token" in text and "bits/byte" in text and f"{int(facts['eval']['tokens']):,} tokens" in text
     assert f"-> {tmp_path / 'r' / 'checkpoints'}" in text and str(tmp_path / "r" / "loss.png") in text
     assert main([*argv[:4], str(tmp_path / "s"), *argv[5:], "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "lmtrain: run finished" not in lines and json.loads(lines[-1])["summary"]["step"] == 2
+    facts = json.loads(lines[-1])
+    assert "lmtrain: run finished" not in lines and facts["summary"]["step"] == 2
+    assert facts["summary"]["reason"] == "planned end (max_steps 2)"
 
 
 def test_the_printed_run_carries_the_plans_warnings(run, tmp_path, capsys):
@@ -109,16 +112,17 @@ def test_tensorboard_and_wandb_are_flags(run, tmp_path):
 
 
 def test_the_loss_plot_is_redrawn_at_every_evaluation(run, tmp_path, monkeypatch):
+    import lmtrain.scaffold as scaffold
     import lmtrain.train_run as train_run
 
     drawn = []
-    plot = train_run._plot
+    plot = scaffold.plot
 
     def recording_plot(run_dir):
         plot(run_dir)
         drawn.append((run_dir / "loss.png").is_file())
 
-    monkeypatch.setattr(train_run, "_plot", recording_plot)
+    monkeypatch.setattr(scaffold, "plot", recording_plot)
     train_run.train(run.parent / "data", tmp_path / "r", recipe="tiny", max_steps=6, quiet=True,
                     overrides={"eval_every": 2, "log_every": 1, "cpu_threads": 1})  # fmt: skip
     assert drawn == [True, True, True, True]  # after the evaluations at steps 2, 4 and 6, and once at the end
@@ -155,7 +159,7 @@ def test_a_yaml_run_file_reads_as_the_toml_one(run, tmp_path, monkeypatch, capsy
 def test_the_printed_commands_reach_lmtrain_from_the_users_shell(tmp_path, monkeypatch):
     import sys
 
-    from lmtrain.demo import lmtrain_command
+    from lmtrain.shell import lmtrain_command
 
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)

@@ -18,7 +18,7 @@ TRAIN = ["--preset", "tiny", "--set", "cpu_threads=1", "--set", "log_every=1", "
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from lmtrain.demo import build_corpus
+    from lmtrain.corpus import build_corpus
 
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     build_corpus(path, 60_000)

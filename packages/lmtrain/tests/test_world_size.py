@@ -1,6 +1,6 @@
 import pytest
 
-from lmtrain.plan import keep_global_batch
+from lmtrain.run_plan import keep_global_batch
 from trainloop import TrainConfig
 
 

@@ -18,7 +18,7 @@ def tiny_run(tmp_path_factory) -> Path:
     """A trained run (checkpoints at steps 2 and 4, each evaluated; best.json points at the better one)."""
     if "run" not in _CACHE:
         from lmtrain import train
-        from lmtrain.demo import build_corpus
+        from lmtrain.corpus import build_corpus
         from lmtrain.prepare_data import prepare
 
         root = tmp_path_factory.mktemp("tiny_run")

@@ -257,7 +257,7 @@ def encode_turns(
     Example (a tokenizer `lmtrain prepare` trained, with the chat tokens reserved):
         >>> import tempfile
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.examples import tiny_data
         >>> work = tempfile.TemporaryDirectory()
         >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> ids, labels = encode_turns(sp, template_for(sp), [("user", "x"), ("assistant", "y")])

@@ -242,7 +242,7 @@ def evaluate_text(
     library's source):
         >>> import tempfile
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.examples import tiny_data
         >>> work = tempfile.TemporaryDirectory()
         >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> from lmcore import GPT, ModelConfig
@@ -366,10 +366,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
             lmcore.compile_model(model)
         sp = load_tokenizer(args.run)
-        context = args.context if args.context is not None else run["data_config"]["seq_len"]
+        context = args.context if args.context is not None else run.seq_len
         stride = args.stride if args.stride is not None else max(1, context // 2)
         result = evaluate_text(
-            model, sp, text, context=context, stride=stride, eos_id=run.get("eos_id"), repeat=args.repeat,
+            model, sp, text, context=context, stride=stride, eos_id=run.eos_id, repeat=args.repeat,
             seeds=args.seeds, rank=rank, world_size=world_size, progress=rank == 0,
         )  # fmt: skip
     finally:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError
+from lmtrain.run_record import RunRecord
 
 FORMATS = ("hf", "hf-mpt", "hf-custom", "gguf")  # hf: MPT where the model maps, else hf-custom
 GGUF_TYPES = ("f32", "f16")
@@ -90,7 +91,7 @@ def hf_tokenizer(
     Example (needs the hf extra; a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.examples import tiny_data
         >>> work = tempfile.TemporaryDirectory()
         >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> hf = hf_tokenizer(f"{work.name}/data/tokenizer.model")  # the tokenizer tiny_data() prepared
@@ -230,7 +231,7 @@ def export_run(
     Example (needs the hf extra; `tiny_run`: 4 steps of the tiny preset without biases, which maps onto MPT):
         >>> import os, tempfile, torch
         >>> from transformers import AutoModelForCausalLM
-        >>> from lmtrain.demo import tiny_run
+        >>> from lmtrain.examples import tiny_run
         >>> from lmtrain.run_files import load_trained_model
         >>> work = tempfile.TemporaryDirectory()
         >>> run_dir = tiny_run(work.name)
@@ -300,7 +301,7 @@ def export_run(
                                "--merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
-    if run.get("finetune", {}).get("batching") == "pack" and model.config.document_separator == run.get("eos_id"):
+    if (run.finetune or {}).get("batching") == "pack" and model.config.document_separator == run.eos_id:
         # Packing kept each training sample's attention to itself; a chat holds no EOS before its end, so plain
         # causal attention computes the same for it (and generation with a KV cache never used the separator).
         model.config.document_separator = None
@@ -313,11 +314,11 @@ def export_run(
         if bad:
             raise LmtrainError(f"{path}: --format gguf: the model does not map onto llama.cpp's MPT ({'; '.join(bad)})")
     sp = load_tokenizer(run_dir) if tokenizer else None
-    eos_id = run.get("eos_id")
+    eos_id = run.eos_id
     # The end-of-document id opens every document in training, so it is the export's BOS too.
     document_start = eos_id if isinstance(eos_id, int) and eos_id >= 0 else None
     token_ids = {"eos_token_id": eos_id, "bos_token_id": document_start}
-    trained_context = int(run.get("data_config", {}).get("seq_len") or model.config.context_length)
+    trained_context = run.seq_len
 
     tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     created = []  # parent directories made for the export, removed again if it fails
@@ -376,13 +377,13 @@ def written_format(fmt: str, mismatches: list[str]) -> str:
     return fmt
 
 
-def _chat_template(run: dict, run_dir: Path) -> str | None:
+def _chat_template(run: RunRecord, run_dir: Path) -> str | None:
     """The Jinja chat template of a fine-tuned run (lmtrain.chat), None for a run without one."""
-    if run.get("chat_template") is None:
+    if run.chat_template is None:
         return None
     from lmtrain.chat import ChatTemplate
 
-    return ChatTemplate.from_json(run["chat_template"], str(run_dir / "run.json")).jinja()
+    return ChatTemplate.from_json(run.chat_template, str(run_dir / "run.json")).jinja()
 
 
 def _write_tokenizer(sp: Any, sp_path: Path, directory: Path, model_max_length: int | None,

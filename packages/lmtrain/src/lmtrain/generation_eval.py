@@ -101,9 +101,9 @@ def generate_answers(model: Any, sp: Any, run: dict, prompts: Sequence[Any], *, 
     from lmtrain.chat import ChatTemplate, template_for
     from lmtrain.text_codec import decode, encode
 
-    template = (ChatTemplate.from_json(run["chat_template"], "run.json") if run.get("chat_template")
+    template = (ChatTemplate.from_json(run.chat_template, "run.json") if run.chat_template
                 else template_for(sp))  # fmt: skip
-    eos = run.get("eos_id")
+    eos = run.eos_id
     stop = sp.piece_to_id(template.end) if template.name == "tokens" else eos
     device = next(model.parameters()).device
     answers = []

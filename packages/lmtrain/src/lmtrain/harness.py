@@ -85,7 +85,7 @@ def run_lm(model: torch.nn.Module, sp: Any, eos_id: int, max_length: int, batch_
     Example (needs the harness extra; an untrained tiny model scores about ln(vocab) nats per token):
         >>> import tempfile, math
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.examples import tiny_data
         >>> from lmcore import GPT, ModelConfig
         >>> work = tempfile.TemporaryDirectory()
         >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
@@ -261,10 +261,10 @@ def run_tasks(args: argparse.Namespace) -> int:
     out = _output_dir(args, checkpoint, tasks)
     if out.exists():
         raise LmtrainError(f"{out}: exists; pass --out DIR for a new directory (results are never overwritten)")
-    eos_id = run.get("eos_id")
+    eos_id = run.eos_id
     if not isinstance(eos_id, int) or eos_id < 0:
         raise LmtrainError(f"{args.run}/run.json: eos_id {eos_id!r}: the harness needs the document-start token id")
-    context = args.context if args.context is not None else int(run["data_config"]["seq_len"])
+    context = args.context if args.context is not None else run.seq_len
     lm = run_lm(model, load_tokenizer(args.run), eos_id, context, args.batch_size or 8)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError
+from lmtrain.run_record import RunRecord
 
 _WHICH = re.compile(r"best|latest|\d+")
 
@@ -29,7 +30,7 @@ class InitSource:
     run_dir: Path
     checkpoint: Path
     step: int | None
-    run: Mapping[str, Any]
+    run: RunRecord  # the source run's run.json
     model_config: Mapping[str, Any]
     state: Mapping[str, Any]
     tokenizer_sha256: str | None
@@ -63,7 +64,7 @@ def read_init_source(spec: str, data_tokenizer_sha256: str | None, *, flag: str 
     Example (`tiny_run`: 4 steps of the tiny preset; its own data has the same tokenizer):
         >>> import tempfile
         >>> import tokbin
-        >>> from lmtrain.demo import tiny_run
+        >>> from lmtrain.examples import tiny_run
         >>> work = tempfile.TemporaryDirectory()
         >>> run = tiny_run(work.name)
         >>> sha = tokbin.file_sha256(run / "tokenizer.model")
@@ -86,7 +87,7 @@ def read_init_source(spec: str, data_tokenizer_sha256: str | None, *, flag: str 
     except LmtrainError as exc:
         raise LmtrainError(f"{flag} {spec}: {exc}") from None
     tokenizer = run_dir / TOKENIZER_FILE
-    sha = run.get("tokenizer_sha256") or (tokbin.file_sha256(tokenizer) if tokenizer.is_file() else None)
+    sha = run.tokenizer_sha256 or (tokbin.file_sha256(tokenizer) if tokenizer.is_file() else None)
     if data_tokenizer_sha256 is not None and sha is not None and sha != data_tokenizer_sha256:
         raise LmtrainError(
             f"{flag} {spec}: the run was trained with tokenizer sha256 {sha}, the data was encoded with sha256 "

@@ -70,7 +70,7 @@ def write_instructions(
         (20, ['group', 'prompt', 'response'])
         >>> work.cleanup()
     """
-    from lmtrain.demo import stdlib_sources
+    from lmtrain.corpus import stdlib_sources
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_sources()

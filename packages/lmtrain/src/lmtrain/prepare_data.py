@@ -145,7 +145,7 @@ def prepare(
     Example (a little of the standard library's Python source as the corpus):
         >>> import os, tempfile
         >>> from pathlib import Path
-        >>> from lmtrain.demo import build_corpus
+        >>> from lmtrain.corpus import build_corpus
         >>> work = tempfile.TemporaryDirectory()
         >>> _ = build_corpus(Path(work.name) / "input.txt", 100_000)
         >>> meta = prepare([Path(work.name) / "input.txt"], Path(work.name) / "data", vocab_size=400, progress=False)

@@ -172,7 +172,7 @@ class _Recipes(Mapping[str, Recipe]):
 
 RECIPES: Mapping[str, Recipe] = _Recipes()
 DEFAULT_RECIPE = "cpu-small"  # `lmtrain train` without --preset or --model-config; what `lmtrain demo` trains
-EXAMPLE_RECIPE = "tiny"  # the examples' and tests' few-second runs (lmtrain.demo.tiny_run)
+EXAMPLE_RECIPE = "tiny"  # the examples' and tests' few-second runs (lmtrain.examples.tiny_run)
 
 
 def recipe_named(name: str) -> Recipe:

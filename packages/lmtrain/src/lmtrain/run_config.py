@@ -85,7 +85,9 @@ def read_run_file(path: str | Path) -> dict[str, Any]:
             raise LmtrainError(f"--config {path}: not JSON ({exc}): expected an earlier run's run.json") from None
         if not isinstance(raw, dict):
             raise LmtrainError(f"--config {path}: holds a {type(raw).__name__}, expected a JSON object (run.json)")
-        raw = _from_run_json(raw, path)
+        from lmtrain.run_record import RunRecord
+
+        raw = _from_run_json(RunRecord.from_json(raw, f"--config {path}"), path)
     else:
         try:
             raw = tomllib.loads(text)
@@ -112,25 +114,24 @@ def _read_yaml(text: str, path: Path) -> dict[str, Any]:
     return raw
 
 
-def _from_run_json(run: dict[str, Any], path: Path) -> dict[str, Any]:
-    """An earlier run's run.json as a run file: its data, recipe and resolved configs (the schedule fields a time
-    budget sized are left to the new run's budget)."""
-    if not isinstance(run.get("model_config"), dict) or not isinstance(run.get("train_config"), dict):
-        raise LmtrainError(f"--config {path}: has no model_config/train_config objects: expected the run.json "
-                           "`lmtrain train` wrote")  # fmt: skip
-    train = dict(run["train_config"])
-    out: dict[str, Any] = {"model": run["model_config"], "train": train}
+def _from_run_json(run: Any, path: Path) -> dict[str, Any]:
+    """An earlier run's record (lmtrain.run_record) as a run file: its data, recipe and resolved configs (the
+    schedule fields a time budget sized are left to the new run's budget)."""
+    if run.command != "train":
+        raise LmtrainError(f"--config {path}: the run.json of a `lmtrain {run.command}` run: expected one that "
+                           "`lmtrain train` wrote (a fine-tune's settings are `lmtrain finetune`'s flags)")  # fmt: skip
+    train = dict(run.train_config)
+    out: dict[str, Any] = {"model": dict(run.model_config), "train": train}
     if train.get("t_max") is not None and train.get("t_max") == train.get("max_steps"):
         # The decay's end followed the run's end (--max-steps): as a request, it follows a new --max-steps too.
         train.pop("t_max")
         out["max_steps"] = train.pop("max_steps")
-    if isinstance(run.get("data_config"), dict):
-        out["data_config"] = run["data_config"]
-    if run.get("data") is not None:
-        out["data"] = run["data"]
-    if run.get("recipe") is not None:
-        out["recipe"] = run["recipe"]
-    if run.get("schedule") == "budget":
+    out["data_config"] = dict(run.data_config)
+    if run.data is not None:
+        out["data"] = run.data
+    if run.recipe is not None:
+        out["recipe"] = run.recipe
+    if run.schedule == "budget":
         for name in _BUDGET_SIZED:
             train.pop(name, None)
         if train.get("time_budget_s") is not None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError
+from lmtrain.run_record import RunRecord, read_run_record
 
-RUN_FILE = "run.json"
 TOKENIZER_FILE = "tokenizer.model"
 META_FILE = "meta.json"
 
@@ -106,25 +106,6 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """RUN_DIR/run.json as written by `lmtrain train`: a JSON object whose three configs are objects, with the
-    fields the other commands use of the types `train` writes (an integer or null ``eos_id``, a positive integer
-    ``data_config.seq_len``)."""
-    path = Path(run_dir) / RUN_FILE
-    run = read_json(path, "written by `lmtrain train`")
-    restore = "restore the file `lmtrain train` wrote"
-    for key in ("model_config", "train_config", "data_config"):
-        if not isinstance(run.get(key) if isinstance(run, dict) else None, dict):
-            found = type(run.get(key)).__name__ if isinstance(run, dict) and key in run else "nothing"
-            raise LmtrainError(f"{path}: expected {key!r} to be an object, found {found}; {restore}")
-    eos_id, seq_len = run.get("eos_id"), run["data_config"].get("seq_len")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)):
-        raise LmtrainError(f"{path}: eos_id={eos_id!r}: expected a token id (an integer) or null; {restore}")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise LmtrainError(f"{path}: data_config.seq_len={seq_len!r}: expected a positive integer; {restore}")
-    return run
-
-
 def check_host_memory(config: Any, weights: Path, where: Path) -> None:
     """Refuse, before anything is allocated, a model whose loading would not fit in the host's available memory:
     the fp32 model `GPT(config)` builds (4 bytes per parameter, lmcore's closed-form count) plus the weights file
@@ -154,8 +135,8 @@ def load_trained_model(
     verify: str = "sizes",
     dtype: Any = None,
     on_note: Callable[[str], None] | None = None,
-) -> tuple[Any, dict[str, Any], Path]:
-    """(GPT in eval mode with a checkpoint's weights, run.json, checkpoint path).
+) -> tuple[Any, RunRecord, Path]:
+    """(GPT in eval mode with a checkpoint's weights, the run's record (run.json), checkpoint path).
 
     `checkpoint`: "latest" (newest complete), "best" (best evaluation; the latest when the run has none), a step
     or a checkpoint directory, as trainloop's `CheckpointStore.resolve` takes it, checked as `verify` says ("sizes":
@@ -165,12 +146,12 @@ def load_trained_model(
 
     Example (`tiny_run`: 4 steps of the tiny preset on a little of the standard library's source):
         >>> import tempfile
-        >>> from lmtrain.demo import tiny_run
+        >>> from lmtrain.examples import tiny_run
         >>> work = tempfile.TemporaryDirectory()
         >>> run_dir = tiny_run(work.name)
         >>> import json
         >>> model, run, checkpoint = load_trained_model(run_dir, checkpoint="best", on_note=print)
-        >>> type(model).__name__, model.training, run["model_config"]["vocab_size"]
+        >>> type(model).__name__, model.training, run.vocab_size
         ('GPT', False, 400)
         >>> checkpoint.name == json.loads((run_dir / "checkpoints" / "best.json").read_text())["checkpoint"]
         True
@@ -178,11 +159,11 @@ def load_trained_model(
     """
     from safetensors import SafetensorError
 
-    from lmcore import GPT, ModelConfig
+    from lmcore import GPT
     from lmcore.pretrained import read_config
     from trainloop.checkpoint import MODEL_FILE, CheckpointError, CheckpointStore, load_model_weights
 
-    run = read_run(run_dir)
+    run = read_run_record(run_dir)
     try:
         path, notes = CheckpointStore(run_dir).resolve(checkpoint, verify)
     except CheckpointError as exc:
@@ -193,9 +174,9 @@ def load_trained_model(
     check_tokenizer_of(run_dir, path)
     own_config = (path / "config.json").is_file()
     try:
-        config = read_config(path) if own_config else ModelConfig.from_dict(run["model_config"])
+        config = read_config(path) if own_config else run.model()
     except (ValueError, TypeError) as exc:  # read_config names its file
-        where = f"{path}: unusable checkpoint" if own_config else f"{Path(run_dir) / RUN_FILE}: model_config"
+        where = f"{path}: unusable checkpoint" if own_config else f"{Path(run_dir) / 'run.json'}: model_config"
         raise LmtrainError(f"{where}: {exc}") from None
     check_host_memory(config, path / MODEL_FILE, path)
     if own_config:

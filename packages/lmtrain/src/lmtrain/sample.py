@@ -34,7 +34,7 @@ def generate_text(
 
     Example (`tiny_run`: 4 steps of the tiny preset, whose continuation is noise, but a seed repeats it):
         >>> import tempfile
-        >>> from lmtrain.demo import tiny_run
+        >>> from lmtrain.examples import tiny_run
         >>> work = tempfile.TemporaryDirectory()
         >>> run_dir = tiny_run(work.name)
         >>> text = generate_text(str(run_dir), "def main(", max_new_tokens=20, seed=0)
@@ -70,7 +70,7 @@ def generate_text(
         lmcore.compile_model(model)
     sp = load_tokenizer(run_dir)
     try:
-        return continue_text(model, sp, prompt, run.get("eos_id"), max_new_tokens, temperature=temperature,
+        return continue_text(model, sp, prompt, run.eos_id, max_new_tokens, temperature=temperature,
                              top_k=top_k, seed=seed)  # fmt: skip
     except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
         raise LmtrainError(f"{path}: {exc}") from None

@@ -30,7 +30,7 @@ def encode(sp: Any, text: str) -> list[int]:
     Example (a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
         >>> import sentencepiece as spm
-        >>> from lmtrain.demo import tiny_data
+        >>> from lmtrain.examples import tiny_data
         >>> work = tempfile.TemporaryDirectory()
         >>> sp = spm.SentencePieceProcessor(model_file=str(tiny_data(work.name) / "tokenizer.model"))
         >>> ids = encode(sp, "to be\\nor not")

@@ -1,0 +1,25 @@
+"""How the commands the toolkit prints reach this `lmtrain` from the user's shell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def lmtrain_command() -> str:
+    """How the user reaches this `lmtrain` from their shell: ``lmtrain`` when that name on PATH is this one, else
+    the path of the script that is running, or of this environment's script (a nox or virtual environment that is
+    not activated), else ``python -m lmtrain`` with this interpreter.
+    """
+    import shlex
+    import shutil
+    import sys
+
+    running = Path(sys.argv[0]) if sys.argv and Path(sys.argv[0]).name == "lmtrain" else None
+    beside = Path(sys.executable).parent / "lmtrain"
+    found = shutil.which("lmtrain")
+    for script in (running, beside):
+        if script is not None and script.is_file():
+            if found is not None and Path(found).resolve() == script.resolve():
+                return "lmtrain"
+            return shlex.quote(str(script.resolve()))
+    return f"{shlex.quote(sys.executable)} -m lmtrain"
