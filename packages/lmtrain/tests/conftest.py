@@ -18,6 +18,11 @@ if "HF_DATASETS_CACHE" not in os.environ:
     os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="hf-datasets-")
     atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The machine's probe answers (lmtrain.probes) go to a file of the test session's own, not the user's cache.
+if "LMTRAIN_PROBE_CACHE" not in os.environ:
+    _probes = tempfile.mkdtemp(prefix="lmtrain-probes-")
+    os.environ["LMTRAIN_PROBE_CACHE"] = os.path.join(_probes, "probes.json")
+    atexit.register(shutil.rmtree, _probes, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
