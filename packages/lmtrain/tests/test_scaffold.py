@@ -56,8 +56,9 @@ def test_a_resumed_finetune_keeps_its_settings_and_says_what_set_changes(made, t
     assert _finetune(made, out, "--max-steps", "2", "--set", "micro_batch=2", "--set", "save_every=1",
                      "--set", "cpu_threads=1") == 0  # fmt: skip
     capsys.readouterr()
+    again = ["--lora-r", "8", "--max-steps", "3", "--resume", "--set", "lr=5e-4", "--no-progress"]
     assert main(["finetune", "--from", f"{made['run']}:latest", "--data", str(made["pairs"]), "--out", str(out),
-                 "--lora-r", "8", "--max-steps", "3", "--resume", "--set", "lr=5e-4", "--no-progress"]) == 0  # fmt: skip
+                 *again]) == 0  # fmt: skip
     said = capsys.readouterr().out
     record = read_run_record(out)
     assert record.finetune["lora"]["r"] == 4 and record.train_config["lr"] == 5e-4
