@@ -85,7 +85,7 @@ def calibrate(
             batch = trainer._next(it)
             if batch is None:
                 raise ValueError(f"train_data ran out after {len(norms[DEFAULT_GROUP])} of {n_batches} batches")
-            engine.backward(*batch, sync=micro == config.grad_accum - 1, n_micro=config.grad_accum)
+            engine.backward(*batch, sync=micro == config.grad_accum - 1, divisor=float(config.grad_accum))
         report = engine.clip_and_step(probe, config.lr, loss_finite=False).clip
         for g, v in report.norms.items():
             norms[g].append(v)

@@ -40,9 +40,10 @@ class Engine(Protocol):
     name: str  # "torch", "deepspeed" or "fsdp": recorded in each checkpoint, checked on resume
     module: torch.nn.Module  # the bare model (no DDP/DeepSpeed wrapper): evaluation, state dicts, FLOPs
 
-    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
-        """Forward and backward of one micro-batch of ``n_micro``; gradients synchronised across ranks when
-        ``sync`` (the last micro-batch of a step). Returns the detached loss."""
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch, its mean loss divided by ``divisor`` (:func:`scaled_loss`: the
+        loop weighs each micro-batch by its scored targets); gradients synchronised (averaged) across ranks when
+        ``sync`` (the last micro-batch of a step). Returns the detached, undivided loss."""
         ...
 
     def clip_and_step(
@@ -69,6 +70,35 @@ class Engine(Protocol):
         """Restore the engine state written by ``saved_world_size`` ranks (any number: a partitioned engine
         re-partitions it); returns the client state saved with it. Collective."""
         ...
+
+
+def scaled_loss(loss: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``loss / divisor``, what a micro-batch contributes to the step's gradient; an infinite divisor (a micro-batch
+    without a scored target, whose mean loss is NaN) contributes zero, yet still runs its backward, since every rank
+    must take part in the gradients' all-reduce.
+
+    Example:
+        >>> scaled_loss(torch.tensor(3.0), 2.0), scaled_loss(torch.tensor(float("nan")), math.inf)
+        (tensor(1.5000), tensor(0.))
+    """
+    if divisor == 1:
+        return loss
+    if math.isinf(divisor):
+        return torch.nan_to_num(loss, nan=0.0) * 0.0
+    return loss / divisor
+
+
+def micro_batch_divisors(counts: Sequence[int], world_size: int, total: float) -> list[float]:
+    """What each micro-batch's mean loss is divided by so that the step's gradient, after the ranks' average, is the
+    gradient of the mean loss over every scored target of the step: ``total`` (all ranks' targets) over this
+    micro-batch's ``count`` times the ranks. Micro-batches of equal counts on every rank give ``grad_accum``, as a
+    plain mean of the micro-batches would.
+
+    Example (two micro-batches, 1 and 99 targets, one rank; and 4 equal ones):
+        >>> micro_batch_divisors([1, 99], 1, 100), micro_batch_divisors([8, 8, 8, 8], 2, 64)
+        ([100.0, 1.0101010101010102], [4.0, 4.0, 4.0, 4.0])
+    """
+    return [total / (count * world_size) if count else math.inf for count in counts]
 
 
 class SteppingEngine:

@@ -23,7 +23,7 @@ from trainloop.checkpoint import CheckpointError, write_weights
 from trainloop.config import TrainConfig
 from trainloop.distributed import barrier, broadcast_json
 from trainloop.ds_config import ResolvedDSConfig, build_ds_config
-from trainloop.engine import NamedGrads, SteppingEngine, make_adamw
+from trainloop.engine import NamedGrads, SteppingEngine, make_adamw, scaled_loss
 from trainloop.engine_torch import loss_of
 from trainloop.extras import import_extra
 
@@ -63,11 +63,12 @@ class DeepSpeedEngine(SteppingEngine):
         self._params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self._params]
 
-    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
-        # engine.backward divides by gradient_accumulation_steps itself, and DeepSpeed reduces the gradients at its
-        # own accumulation boundary, which ``sync`` marks.
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
+        # engine.backward divides by gradient_accumulation_steps itself (the divisor of equal micro-batches), and
+        # DeepSpeed reduces the gradients at its own accumulation boundary, which ``sync`` marks.
         loss = loss_of(self.engine(inputs, targets))
-        self.engine.backward(loss)
+        accum = self.config.grad_accum
+        self.engine.backward(loss if divisor == accum else scaled_loss(loss, divisor / accum))
         if not sync:
             self.engine.step()  # only advances DeepSpeed's micro-step counter off the boundary
         return loss.detach().float()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainloop.config import ConfigError, TrainConfig
-from trainloop.engine import NamedGrads, SteppingEngine, make_adamw
+from trainloop.engine import NamedGrads, SteppingEngine, make_adamw, scaled_loss
 from trainloop.engine_torch import loss_of
 
 
@@ -108,13 +108,13 @@ class FSDPEngine(SteppingEngine):
     # A forward all-gathers each unit's parameters: every rank must run the same number of them.
     collective_forward = True
 
-    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; the gradients are reduce-scattered only when ``sync`` (before
         that each rank accumulates its own unsharded gradients), or on every micro-batch with
         ``fsdp_sync_every_micro``."""
         self.module.set_requires_gradient_sync(sync or self.config.fsdp_sync_every_micro)  # type: ignore[operator]
         loss = loss_of(self.module(inputs, targets))
-        (loss / n_micro if n_micro > 1 else loss).backward()
+        scaled_loss(loss, divisor).backward()
         return loss.detach().float()
 
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainloop.checkpoint import load_torch, read_weights, save_torch, write_weights
 from trainloop.config import TrainConfig
-from trainloop.engine import NamedGrads, SteppingEngine, autocast, grads_of, make_adamw
+from trainloop.engine import NamedGrads, SteppingEngine, autocast, grads_of, make_adamw, scaled_loss
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -64,13 +64,13 @@ class TorchEngine(SteppingEngine):
         )
         self._params = [p for p in model.named_parameters() if p[1].requires_grad]
 
-    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, n_micro: int) -> torch.Tensor:
+    def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
         """Forward and backward of one micro-batch; DDP all-reduces the gradients only when ``sync``."""
         no_sync = self.ddp.no_sync() if (self.ddp is not None and not sync) else contextlib.nullcontext()
         with no_sync:
             with autocast(self.device, self.config.precision):
                 loss = loss_of(self.model(inputs, targets))
-            self.scaler.scale(loss / n_micro if n_micro > 1 else loss).backward()
+            self.scaler.scale(scaled_loss(loss, divisor)).backward()
         return loss.detach()
 
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from trainloop.checkpoint import (
 from trainloop.clipping import ClipGroups
 from trainloop.config import ConfigError, TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, broadcast_json, setup_distributed, teardown_distributed
-from trainloop.engine import Engine, StepReport, make_engine, trainable_names
+from trainloop.engine import Engine, StepReport, make_engine, micro_batch_divisors, scaled_loss, trainable_names
 from trainloop.evaluation import evaluate
 from trainloop.faults import (
     CollectiveError,
@@ -56,6 +56,7 @@ from trainloop.schedules import ConfigSchedule, Schedule
 from trainloop.state import Agreement, BestTracker, CheckpointPolicy, EvalPolicy, TrainState
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+IGNORE_INDEX = -100  # the label of a position that is not scored (prompt tokens, padding)
 SIGNAL_STOP = "signal"
 
 
@@ -391,6 +392,29 @@ class Trainer:
             return None
         return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
 
+    def _step_batches(self, it: Iterator[Batch]) -> tuple[list[Batch], list[float]] | None:
+        """The step's ``grad_accum`` micro-batches on the device and what each one's mean loss is divided by
+        (:func:`~trainloop.engine.micro_batch_divisors`): the step's gradient is that of the mean loss over every
+        scored target (labels other than -100) of the step, on every rank, however unevenly the micro-batches hold
+        them. Returns None when the data ran out before the step began."""
+        cfg = self.config
+        batches, counts = [], []
+        for micro in range(cfg.grad_accum):
+            try:
+                inputs, targets = next(it)
+            except StopIteration:
+                if micro == 0:
+                    return None
+                raise ValueError(
+                    f"train_data ran out inside an accumulation (micro-batch {micro} of {cfg.grad_accum})"
+                ) from None
+            counts.append(int((targets != IGNORE_INDEX).sum()))  # on the host, before the copy: no device sync
+            batches.append((inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)))
+        total = float(sum(counts))
+        if self.world_size > 1:
+            total = float(all_reduce_sum(torch.tensor([total], dtype=torch.float64))[0])
+        return batches, micro_batch_divisors(counts, self.world_size, total)
+
     def train_step(self, it: Iterator[Batch]) -> StepResult | None:
         """Accumulate ``grad_accum`` micro-batches, agree with the other ranks, clip per group and step (or skip a
         non-finite step). Returns the step's result, or None when the data ran out before the step began."""
@@ -398,13 +422,10 @@ class Trainer:
         lr = self.schedule.lr(state.step)
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for micro in range(cfg.grad_accum):
-            batch = self._next(it)
-            if batch is None:
-                if micro == 0:
-                    return None
-                raise ValueError(f"train_data ran out inside an accumulation (micro-batch {micro} of {cfg.grad_accum})")
-            inputs, targets = batch
+        step = self._step_batches(it)
+        if step is None:
+            return None
+        for micro, ((inputs, targets), divisor) in enumerate(zip(*step, strict=True)):
             if not self._batch_checked:
                 self._batch_checked = True
                 if inputs.shape[0] != cfg.micro_batch:
@@ -412,9 +433,10 @@ class Trainer:
                         f"warning: train_data yields {inputs.shape[0]} rows per micro-batch, TrainConfig.micro_batch="
                         f"{cfg.micro_batch}: the loop trains on what it gets (DeepSpeed's batch sizes use micro_batch)"
                     )
-            loss_sum += self.engine.backward(inputs, targets, sync=micro == cfg.grad_accum - 1, n_micro=cfg.grad_accum)
+            loss = self.engine.backward(inputs, targets, sync=micro == cfg.grad_accum - 1, divisor=divisor)
+            loss_sum += scaled_loss(loss, divisor)  # the ranks' mean of these sums: the step's mean loss
             tokens += targets.numel()
-        agreed = self._agree(loss_sum / cfg.grad_accum)
+        agreed = self._agree(loss_sum)
         inspect = None
         if state.step + 1 in cfg.inspect_steps:
             from trainloop.gradient_inspector import inspect_gradients
