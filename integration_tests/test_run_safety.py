@@ -103,7 +103,7 @@ def test_a_second_run_into_the_same_directory_is_refused_and_a_killed_one_releas
     steps = CheckpointStore(run).steps()
     assert steps
     again = run_lmtrain("train", "--data", str(prepared), "--out", str(run), *TINY, "--max-steps", str(steps[-1] + 2),
-                        "--resume")  # fmt: skip
+                        "--resume", "--json")  # fmt: skip
     assert json.loads(again.stdout.strip().splitlines()[-1])["summary"]["step"] == steps[-1] + 2
 
 
@@ -114,7 +114,7 @@ def test_sigterm_during_the_final_evaluation_ends_with_a_checkpoint_and_status_0
     env = child_env(PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     run = tmp_path / "run"
     # Some 200 two-second evaluation batches: only an evaluation that stops on the signal ends within the bound below.
-    proc = start("train", "--data", str(prepared), "--out", str(run), *TINY, "--max-steps", "3",
+    proc = start("train", "--data", str(prepared), "--out", str(run), *TINY, "--max-steps", "3", "--json",
                  "--set", "micro_batch=1", "--set", "eval_batches=400", env=env)  # fmt: skip
     lines = Lines(proc)
     try:
@@ -137,7 +137,7 @@ def test_sigterm_to_one_rank_of_a_torchrun_job(prepared, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(_free_port()), "-m", "lmtrain", "train", "--data", str(prepared), "--out", str(run), *TINY,
-           "--max-steps", "100000"]  # fmt: skip
+           "--max-steps", "100000", "--json"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     lines = Lines(proc)
     try:

@@ -13,7 +13,8 @@ from lmtrain.planner import RULE
 
 def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path):
     run = tmp_path / "run"
-    result = run_lmtrain("train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--time-budget", "25")
+    result = run_lmtrain("train", "--data", str(prepared), "--out", str(run), "--preset", "tiny", "--time-budget", "25",
+                         "--json")  # fmt: skip
     summary = json.loads(result.stdout.strip().splitlines()[-1])["summary"]
     info = json.loads((run / "run.json").read_text())
     assert info["schedule"] == "budget"

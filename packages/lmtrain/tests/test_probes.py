@@ -90,3 +90,24 @@ def test_the_users_settings_come_first_and_are_not_cached(data, tmp_path, probe)
     assert (b.cpu_threads, b.cpu_matmul) == (2, "mkl") and cpu_matmul_library() == "mkl"
     cached = json.loads((tmp_path / "probes.json").read_text())
     assert sorted(map(str, (v for answers in cached.values() for v in answers.values()))) == ["1", "onednn"]
+
+
+def test_eval_and_generate_run_with_the_threads_the_run_trained_with(data, tmp_path, probe, monkeypatch):
+    from lmtrain.run_files import load_trained_model
+
+    train(data, tmp_path / "run", recipe="tiny", max_steps=1, quiet=True, overrides=STEADY)  # probed: 1 thread
+    torch.set_num_threads(2)
+    load_trained_model(tmp_path / "run")
+    assert torch.get_num_threads() == 1
+    # A run that recorded no CPU choice (trained on a GPU) gets the machine's probed answer for its shapes, once.
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    (tmp_path / "run" / "run.json").write_text(json.dumps({**record, "cpu_matmul": None}))
+    timed = []
+    monkeypatch.setattr(
+        lmcore, "time_step", lambda fn, n, **kw: timed.append(n) or lmcore.StepTiming(n, 3.0 - n, 1.0, 2)
+    )
+    load_trained_model(tmp_path / "run")
+    assert torch.get_num_threads() == 2 and sorted(timed) == [1, 2]
+    torch.set_num_threads(1)
+    load_trained_model(tmp_path / "run")
+    assert torch.get_num_threads() == 2 and len(timed) == 2  # cached: not timed again

@@ -392,6 +392,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"loss {result['loss']:.4f} nats/token, token ppl {_figure(result['token_ppl'])}, "
             f"bits/byte {result['bits_per_byte']:.4f}{spread}, word ppl {_figure(result['word_ppl'])}\n"
             f"checkpoint {checkpoint}, context {context}, stride {stride}, {device} {args.dtype}, {world_size} rank(s)"
+            + (f", {torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else "")
         )
     return 0
 

@@ -268,7 +268,9 @@ def export_run(
         _import_hf("transformers")
         if tokenizer:
             _require_protobuf()
-    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note)
+    model, run, path = load_trained_model(
+        run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note, set_threads=False
+    )
     if lora is not None:
         from safetensors import SafetensorError
 

@@ -83,7 +83,7 @@ def read_init_source(spec: str, data_tokenizer_sha256: str | None, *, flag: str 
     if not run_dir.is_dir():
         raise LmtrainError(f"{flag} {spec}: {run_dir} is not a directory: expected a run written by `lmtrain train`")
     try:
-        model, run, checkpoint = load_trained_model(run_dir, checkpoint=which, verify=verify)
+        model, run, checkpoint = load_trained_model(run_dir, checkpoint=which, verify=verify, set_threads=False)
     except LmtrainError as exc:
         raise LmtrainError(f"{flag} {spec}: {exc}") from None
     tokenizer = run_dir / TOKENIZER_FILE

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 CACHE_ENV = "LMTRAIN_PROBE_CACHE"
-KINDS = ("threads", "precision", "matmul")
+KINDS = ("threads", "precision", "matmul", "inference threads")
 
 
 def cache_path() -> Path:
@@ -130,3 +130,38 @@ def set_matmul_library(
     if cache is not None:
         cache.put("matmul", key, library)
     return library, f"fp32 GEMMs on {'oneDNN' if probe.routed else 'MKL'}: {probe.reason}"
+
+
+def set_inference_threads(model: Any, record: Any, *, cache: ProbeCache | None = None) -> str | None:
+    """Set the CPU threads `eval` and `generate` run ``model`` with, and say how they were chosen (None: left as
+    they are, under OMP_NUM_THREADS or in a job of several ranks). A run trained on a CPU recorded the count it
+    trained with: that one (at most this machine's cores); else the machine's cached answer for these shapes, else
+    a probe of a forward pass at one thread and at all cores (cached afterwards)."""
+    import torch
+
+    import lmcore
+
+    if "OMP_NUM_THREADS" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    cores = os.cpu_count() or 1
+    if record.cpu_matmul is not None and isinstance(record.cpu_threads, int) and record.cpu_threads >= 1:
+        threads = min(record.cpu_threads, cores)
+        torch.set_num_threads(threads)
+        return f"{threads} CPU thread(s), as the run trained with"
+    key = shapes(model.config, 1, model.config.context_length)
+    known = cache.get("inference threads", key) if cache is not None else None
+    if isinstance(known, int) and 1 <= known <= cores:
+        torch.set_num_threads(known)
+        return f"{known} CPU thread(s), as this machine's probe cache recorded ({cache_path()})"
+    ids = torch.randint(0, model.config.vocab_size, (1, model.config.context_length))
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    walls = {n: lmcore.time_step(forward, n, steps=2, warmup=1).wall_s for n in sorted({1, cores})}
+    threads = min(walls, key=walls.__getitem__)
+    if cache is not None:
+        cache.put("inference threads", key, threads)
+    torch.set_num_threads(threads)
+    return f"{threads} CPU thread(s) (s/forward measured: " + ", ".join(f"{n}: {s:.3f}" for n, s in walls.items()) + ")"

@@ -135,6 +135,7 @@ def load_trained_model(
     verify: str = "sizes",
     dtype: Any = None,
     on_note: Callable[[str], None] | None = None,
+    set_threads: bool = True,
 ) -> tuple[Any, RunRecord, Path]:
     """(GPT in eval mode with a checkpoint's weights, the run's record (run.json), checkpoint path).
 
@@ -142,7 +143,9 @@ def load_trained_model(
     or a checkpoint directory, as trainloop's `CheckpointStore.resolve` takes it, checked as `verify` says ("sizes":
     every file present with its recorded size; "full": also every file's SHA-256). `on_note` receives each note on
     what was skipped or fallen back from (e.g. "no evaluated best checkpoint in this run; using the latest").
-    `dtype` (a torch dtype) casts the weights after loading; None keeps the checkpoint's (fp32).
+    `dtype` (a torch dtype) casts the weights after loading; None keeps the checkpoint's (fp32). On a CPU,
+    `set_threads` sets the threads the model runs with (lmtrain.probes.set_inference_threads: the count the run
+    trained with, else a cached or probed one).
 
     Example (`tiny_run`: 4 steps of the tiny preset on a little of the standard library's source):
         >>> import tempfile
@@ -150,7 +153,8 @@ def load_trained_model(
         >>> work = tempfile.TemporaryDirectory()
         >>> run_dir = tiny_run(work.name)
         >>> import json
-        >>> model, run, checkpoint = load_trained_model(run_dir, checkpoint="best", on_note=print)
+        >>> notes = []
+        >>> model, run, checkpoint = load_trained_model(run_dir, checkpoint="best", on_note=notes.append)
         >>> type(model).__name__, model.training, run.vocab_size
         ('GPT', False, 400)
         >>> checkpoint.name == json.loads((run_dir / "checkpoints" / "best.json").read_text())["checkpoint"]
@@ -215,6 +219,10 @@ def load_trained_model(
 
     check_attention_backend(model.config, torch.device(map_location))
     model.to(device=map_location, dtype=dtype).eval()
+    if set_threads and torch.device(map_location).type == "cpu":
+        from lmtrain.probes import ProbeCache, set_inference_threads
+
+        set_inference_threads(model, run, cache=ProbeCache())
     return model, run, path
 
 
