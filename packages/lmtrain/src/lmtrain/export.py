@@ -29,16 +29,19 @@ nothing behind, and an existing non-empty DIR is replaced only with `--force`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError
+from lmtrain.progress import step
+from lmtrain.run_files import TOKENIZER_FILE
 from lmtrain.run_record import RunRecord
 
 FORMATS = ("hf", "hf-mpt", "hf-custom", "gguf")  # hf: MPT where the model maps, else hf-custom
@@ -246,41 +249,95 @@ def export_run(
         ('MptForCausalLM', True)
         >>> work.cleanup()
     """
-    from lmtrain.progress import step
-    from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer, load_trained_model
+    from lmtrain.run_files import load_tokenizer, load_trained_model
 
+    _check_arguments(fmt, max_seq_len, gguf_type, tokenizer)
+    out = Path(out)
+    _check_extras_and_destination(out, fmt, force, tokenizer)
+    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note,
+                                          set_threads=False)  # fmt: skip
+    if lora is not None:
+        _load_lora_file(model, lora)
+    asked, fmt, mismatches = fmt, *_layout(model, path, fmt, merge_lora)
+    _drop_packed_attention(model, run, on_note)
+    if fmt == "gguf":
+        from lmcore.gguf_mpt import gguf_mismatches
+
+        if gguf_bad := gguf_mismatches(model.config):
+            raise LmtrainError(
+                f"{path}: --format gguf: the model does not map onto llama.cpp's MPT ({'; '.join(gguf_bad)})"
+            )
+    sp = load_tokenizer(run_dir) if tokenizer else None
+    eos_id = run.eos_id
+    # The end-of-document id opens every document in training, so it is the export's BOS too.
+    document_start = eos_id if isinstance(eos_id, int) and eos_id >= 0 else None
+    with _staged(out) as tmp:
+        if fmt == "gguf":
+            _write_gguf(model, sp, tmp / out.name, max_seq_len, gguf_type, document_start)
+            _follow_umask(tmp)
+            os.replace(tmp / out.name, out)
+            return path
+        if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
+            sp_path = Path(run_dir) / TOKENIZER_FILE
+            with step("export: the tokenizer converted and checked against SentencePiece", enabled=progress, bar=False):
+                _write_tokenizer(sp, sp_path, tmp, run.seq_len, document_start,
+                                 chat_template=_chat_template(run, Path(run_dir)))  # fmt: skip
+            shutil.copyfile(sp_path, tmp / TOKENIZER_FILE)  # what llama.cpp's converter reads the vocabulary from
+        with step(f"export: the weights ({fmt.removeprefix('hf-')} layout) -> {out}", enabled=progress, bar=False):
+            token_ids = {"eos_token_id": eos_id, "bos_token_id": document_start}
+            _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
+        _follow_umask(tmp)
+        _replace(tmp, out)
+    if on_note is not None and asked == "hf":
+        on_note(
+            "wrote transformers' MPT (loads with no custom code)"
+            if fmt == "hf-mpt"
+            else "wrote custom code (loads with trust_remote_code=True): the model does not map onto "
+            f"transformers' MPT ({'; '.join(mismatches)})"
+        )
+    return path
+
+
+def _check_arguments(fmt: str, max_seq_len: int | None, gguf_type: str, tokenizer: bool) -> None:
     if fmt not in FORMATS:
         raise LmtrainError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if max_seq_len is not None and max_seq_len < 1:
         raise LmtrainError(f"--max-seq-len must be >= 1, got {max_seq_len}")
     if gguf_type not in GGUF_TYPES:
         raise LmtrainError(f"--outtype {gguf_type!r}: expected one of {', '.join(GGUF_TYPES)}")
-    out = Path(out)
+    if fmt == "gguf" and not tokenizer:
+        raise LmtrainError("--format gguf holds the tokenizer: drop --no-tokenizer")
+
+
+def _check_extras_and_destination(out: Path, fmt: str, force: bool, tokenizer: bool) -> None:
+    """Before the checkpoint is read: the extras the format needs are installed, and ``out`` may be written."""
     if fmt == "gguf":
         from lmtrain.export_gguf import check_file_destination, import_gguf
 
         check_file_destination(out, force)
         import_gguf()
-        if not tokenizer:
-            raise LmtrainError("--format gguf holds the tokenizer: drop --no-tokenizer")
-    else:
-        _check_destination(out, force)
-        _import_hf("transformers")
-        if tokenizer:
-            _require_protobuf()
-    model, run, path = load_trained_model(
-        run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note, set_threads=False
-    )
-    if lora is not None:
-        from safetensors import SafetensorError
+        return
+    _check_destination(out, force)
+    _import_hf("transformers")
+    if tokenizer:
+        _require_protobuf()
 
-        from lmcore import load_lora
 
-        try:
-            load_lora(model, lora)
-        except (ValueError, OSError, SafetensorError) as exc:
-            said = str(exc)  # lmcore's messages begin with the file's path
-            raise LmtrainError(f"--lora {said}" if said.startswith(str(lora)) else f"--lora {lora}: {said}") from None
+def _load_lora_file(model: Any, lora: str | os.PathLike) -> None:
+    from safetensors import SafetensorError
+
+    from lmcore import load_lora
+
+    try:
+        load_lora(model, lora)
+    except (ValueError, OSError, SafetensorError) as exc:
+        said = str(exc)  # lmcore's messages begin with the file's path
+        raise LmtrainError(f"--lora {said}" if said.startswith(str(lora)) else f"--lora {lora}: {said}") from None
+
+
+def _layout(model: Any, path: Path, fmt: str, merge_lora: bool) -> tuple[str, list[str]]:
+    """(the layout --format writes for this model, the fields that keep it off MPT); LoRA adapters are folded in
+    (--merge-lora) or refused where the layout takes none."""
     from lmcore import merge_lora as merge
     from lmcore.hf_mpt import mpt_mismatches
     from lmcore.lora import lora_modules
@@ -303,25 +360,31 @@ def export_run(
                                "--merge-lora to fold them in")  # fmt: skip
         else:
             _import_hf("peft")
+    return fmt, bad
+
+
+def _drop_packed_attention(model: Any, run: RunRecord, on_note: Callable[[str], None] | None) -> None:
+    """Packing kept each training sample's attention to itself; a chat holds no EOS before its end, so plain causal
+    attention computes the same for it (and generation with a KV cache never used the separator)."""
     if (run.finetune or {}).get("batching") == "pack" and model.config.document_separator == run.eos_id:
-        # Packing kept each training sample's attention to itself; a chat holds no EOS before its end, so plain
-        # causal attention computes the same for it (and generation with a KV cache never used the separator).
         model.config.document_separator = None
         if on_note is not None:
             on_note("the fine-tune's packed-sample attention (document_separator = EOS) is left out of the export")
-    if fmt == "gguf":
-        from lmcore.gguf_mpt import gguf_mismatches
 
-        bad = gguf_mismatches(model.config)
-        if bad:
-            raise LmtrainError(f"{path}: --format gguf: the model does not map onto llama.cpp's MPT ({'; '.join(bad)})")
-    sp = load_tokenizer(run_dir) if tokenizer else None
-    eos_id = run.eos_id
-    # The end-of-document id opens every document in training, so it is the export's BOS too.
-    document_start = eos_id if isinstance(eos_id, int) and eos_id >= 0 else None
-    token_ids = {"eos_token_id": eos_id, "bos_token_id": document_start}
-    trained_context = run.seq_len
 
+def _write_gguf(model: Any, sp: Any, file: Path, max_seq_len: int | None, gguf_type: str,
+                document_start: int | None) -> None:  # fmt: skip
+    from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
+    from lmtrain.export_gguf import write_run_gguf
+
+    context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
+    write_run_gguf(model, sp, file, context=context, gguf_type=gguf_type, document_start=document_start)
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out`` to write the export into; on any failure it goes, with the parent
+    directories made for it, and nothing is left behind."""
     tmp = out.parent / f".{out.name}.tmp-export-{os.getpid()}"
     created = []  # parent directories made for the export, removed again if it fails
     parent = out.parent
@@ -330,41 +393,16 @@ def export_run(
         parent = parent.parent
     try:
         tmp.mkdir(parents=True)
-        if fmt == "gguf":
-            from lmcore.hf_mpt import DEFAULT_CONTEXT_MULTIPLE
-            from lmtrain.export_gguf import write_run_gguf
-
-            file = tmp / out.name
-            context = max_seq_len or DEFAULT_CONTEXT_MULTIPLE * model.config.context_length
-            write_run_gguf(model, sp, file, context=context, gguf_type=gguf_type, document_start=document_start)
-            _follow_umask(tmp)
-            os.replace(file, out)
-            tmp.rmdir()
-            return path
-        if sp is not None:  # first: a tokenizer that fails its check stops the export before the weights are written
-            sp_path = Path(run_dir) / TOKENIZER_FILE
-            with step("export: the tokenizer converted and checked against SentencePiece", enabled=progress, bar=False):
-                _write_tokenizer(sp, sp_path, tmp, trained_context, document_start,
-                                 chat_template=_chat_template(run, Path(run_dir)))  # fmt: skip
-            shutil.copyfile(sp_path, tmp / TOKENIZER_FILE)  # what llama.cpp's converter reads the vocabulary from
-        with step(f"export: the weights ({fmt.removeprefix('hf-')} layout) -> {out}", enabled=progress, bar=False):
-            _write_model(model, tmp, fmt, out, max_seq_len=max_seq_len, token_ids=token_ids)
-        _follow_umask(tmp)
-        _replace(tmp, out)
-        if on_note is not None and asked == "hf":
-            on_note(
-                "wrote transformers' MPT (loads with no custom code)"
-                if fmt == "hf-mpt"
-                else "wrote custom code (loads with trust_remote_code=True): the model does not map onto "
-                f"transformers' MPT ({'; '.join(bad)})"
-            )
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # deepest first
             if p.is_dir() and not any(p.iterdir()):
                 p.rmdir()
         raise
-    return path
+    finally:
+        if tmp.is_dir() and not any(tmp.iterdir()):
+            tmp.rmdir()
 
 
 def written_format(fmt: str, mismatches: list[str]) -> str:
