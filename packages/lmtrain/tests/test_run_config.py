@@ -171,3 +171,21 @@ def test_the_printed_commands_reach_lmtrain_from_the_users_shell(tmp_path, monke
     assert lmtrain_command() == str(script.resolve())  # not on PATH: the full path, which works as printed
     monkeypatch.setenv("PATH", str(bin_dir))
     assert lmtrain_command() == "lmtrain"
+
+
+def test_the_printed_config_shows_what_the_run_will_use_with_or_without_data(run, tmp_path, capsys, monkeypatch):
+    import re
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the thread count is then timed at launch
+    capsys.readouterr()
+    assert main(["train", "--time-budget", "60", "--print-config"]) == 0
+    bare = capsys.readouterr().out
+    assert '# data = "DATA_DIR"' in bare and "vocab_size = 2048  (the tokenizer's: give --data)" in bare
+    assert main(["train", "--data", str(run.parent / "data"), "--time-budget", "60", "--print-config"]) == 0
+    given = capsys.readouterr().out
+    assert "vocab_size = 400\n" in given
+    for printed in (bare, given):
+        assert '# schedule = "wsd"  (sized to the time budget at launch)' in printed
+        assert re.search(r"# early_stopping_patience = [1-9]\d*  \(sized to the time budget at launch\)", printed)
+        assert re.search(r"# eval_every_s = [0-9.]+  \(sized to the time budget at launch\)", printed)
+        assert 'cpu_threads = "none"  (one thread or all cores: timed at launch' in printed

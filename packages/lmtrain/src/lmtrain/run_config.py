@@ -211,8 +211,11 @@ def plan_toml(plan: Any) -> str:
     ]
     for key in REQUEST_KEYS:
         value = getattr(request, key)
-        if key == "out" and not value:
-            lines.append('# out = "RUN_DIR"  (the run directory: give it here or with --out)')
+        if key in ("data", "out") and not value:
+            lines.append(
+                f'# {key} = "{"DATA_DIR" if key == "data" else "RUN_DIR"}"  (the '
+                f"{'prepared data' if key == 'data' else 'run directory'}: give it here or with --{key})"
+            )
             continue
         if key == "recipe" and value is None and request.model_config is None:
             value = plan.recipe
@@ -223,8 +226,8 @@ def plan_toml(plan: Any) -> str:
         if key == "deepspeed" and not isinstance(value, str):
             continue  # a dict given to lmtrain.train(): its adopted values are in [train]
         lines.append(f"{key} = {_toml(value)}")
-    budget_note = "  (sized to the time budget at launch)" if plan.budgeted and plan.measuring else ""
-    for section, config in (("model", plan.model.to_dict()), ("train", plan.train.to_dict()),
+    train, marks = _decided_at_start(plan)
+    for section, config in (("model", plan.model.to_dict()), ("train", train.to_dict()),
                             ("data_config", dataclasses.asdict(plan.data))):  # fmt: skip
         lines += ["", f"[{section}]"]
         for name, value in config.items():
@@ -232,10 +235,34 @@ def plan_toml(plan: Any) -> str:
                 continue  # the top-level time_budget_s
             text = f"{name} = {_toml(value)}"
             if name not in plan.fixed:
-                sized = budget_note if section == "train" and name in _BUDGET_SIZED else ""
-                text = f"# {text}{sized}"
+                text = f"# {text}{marks.get(f'{section}.{name}', '')}"
             lines.append(text)
     return "\n".join(lines) + "\n"
+
+
+def _decided_at_start(plan: Any) -> tuple[Any, dict[str, str]]:
+    """The training config as the run will start (a budget's schedule sized already, at the whole budget) and a
+    mark for each field the command decides at launch (the budget, a probe), keyed ``section.name``."""
+    from trainloop import BUDGET
+
+    train, marks = plan.train, {}
+    if plan.budgeted and plan.measuring:
+        train, _ = BUDGET.configure(plan.train, float(plan.request.time_budget_s), None, keep=plan.fixed)
+        sized = set(_BUDGET_SIZED) | {f.name for f in dataclasses.fields(train)
+                                      if getattr(train, f.name) != getattr(plan.train, f.name)}  # fmt: skip
+        marks.update({f"train.{name}": "  (sized to the time budget at launch)" for name in sized})
+        if plan.request.model_config is None:
+            regularised = "  (the budget's regularisation decides at launch: lmtrain.planner)"
+            marks.update({"model.dropout": regularised, "train.weight_decay": regularised})
+    world = plan.world
+    if plan.time_bf16 or (plan.budgeted and plan.measuring and world.single_cpu_process and world.native_bf16
+                          and train.precision == "fp32" and "precision" not in plan.fixed):  # fmt: skip
+        marks["train.precision"] = "  (fp32 or bf16: a timed step at launch decides, kept afterwards: lmtrain.probes)"
+    if plan.time_threads or world.recorded_threads is not None:
+        marks["data_config.cpu_threads"] = "  (one thread or all cores: timed at launch, kept afterwards)"
+    if not getattr(plan.request, "data", ""):
+        marks["model.vocab_size"] = "  (the tokenizer's: give --data)"
+    return train, marks
 
 
 def _toml(value: Any) -> str:

@@ -280,8 +280,7 @@ def settle(request: RunOptions, base: Base, world: World, saved: Any = None) -> 
         )
         if regularisation is not None:
             notes.append(f"plan: {regularisation['note']}")
-    if not time_threads and not time_bf16:
-        notes += plan_warnings(request, train_cfg, fixed, budgeted, step_s, world, sized=base.size is not None)
+    notes += plan_warnings(request, train_cfg, fixed, budgeted, step_s, world, sized=base.size is not None)
     return RunPlan(
         request=request, recipe=base.recipe, model=model_cfg, train=train_cfg, data=data_cfg, budgeted=budgeted,
         resumed=resumed, fixed=frozenset(fixed), world=world, cpu_threads=cpu_threads, step_s=step_s,

@@ -213,8 +213,8 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         if values.get(key) is None:
             where = " (or a `" + key + " = ...` line in --config)" if args.config else ""
             flag = "DATA_DIR" if key == "data" else "RUN_DIR"
-            if key == "out" and args.print_config:
-                values["out"] = ""  # printed as a line to fill in
+            if args.print_config:
+                values[key] = ""  # printed as a line to fill in
                 continue
             raise LmtrainError(f"--{key} {flag} is required{where}: the {'prepared data' if key == 'data' else 'run'} "
                                "directory")  # fmt: skip
@@ -228,10 +228,20 @@ def draft_plan(request: TrainRequest) -> RunPlan:
     import tokbin
     from lmtrain.run_record import RUN_FILE, read_run_record
 
-    meta = read_meta(request.data_dir)
-    train_data = open_train_data(request.blend_spec, meta)
     run_dir = Path(request.out)
     saved = read_run_record(run_dir) if request.resume and (run_dir / RUN_FILE).is_file() else None
+    if not request.data:  # --print-config without --data: the recipe's own settings, the vocabulary left open
+        if request.document_attention:
+            raise LmtrainError("--document-attention reads the separator from the data: give --data")
+        from lmtrain.plan import model_config_file
+        from lmtrain.recipes import DEFAULT_RECIPE, recipe_named
+
+        config = (model_config_file(request.model_config) if request.model_config
+                  else recipe_named(request.recipe or DEFAULT_RECIPE).model_config())  # fmt: skip
+        meta = {"vocab_size": config.vocab_size, "train": {}, "val": {}}
+        return plan_run(request, DataInfo(meta, 2**62, saved), current_world())
+    meta = read_meta(request.data_dir)
+    train_data = open_train_data(request.blend_spec, meta)
     tokenizer_sha = tokbin.file_sha256(meta["tokenizer_path"]) if Path(meta["tokenizer_path"]).is_file() else None
     return plan_run(request, DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha), current_world())
 
