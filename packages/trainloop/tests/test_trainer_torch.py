@@ -454,3 +454,13 @@ def test_a_log_line_while_a_bar_is_showing_goes_through_tqdm_and_not_into_the_ba
     assert write.call_count == 1 and write.call_args.args[0].endswith("eval at step 3: loss 1.0 nats/token\n")
     Trainer._say(said, "no bar now")  # without a bar: straight to stdout
     assert capsys.readouterr().out.endswith("no bar now\n")
+
+
+def test_log_lines_say_how_long_is_left(tmp_path, capsys):
+    torch.manual_seed(0)
+    Trainer(TinyLM(), _cfg(max_steps=6, log_every=2), SeqData(4), run_dir=tmp_path).fit()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    etas = [r["eta_s"] for r in records if "loss" in r]
+    assert len(etas) == 3 and all(e >= 0 for e in etas) and etas[-1] == 0.0  # nothing left at the last step
+    lines = [line for line in capsys.readouterr().out.splitlines() if "| loss " in line]
+    assert len(lines) == 3 and all(re.search(r"\| eta \d+s", line) for line in lines), lines

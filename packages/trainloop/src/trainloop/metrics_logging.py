@@ -222,9 +222,26 @@ def format_line(record: dict[str, Any]) -> str:
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}% of {record['peak_tflops']:.0f} TFLOP/s")
     parts.append(f"mem {record['memory_bytes'] / 2**20:.0f} MiB ({record['memory_kind']})")
+    if record.get("eta_s") is not None:
+        parts.append(f"eta {short_duration(record['eta_s'])}")
     if record.get("skipped"):
         parts.append(f"SKIPPED ({record['skipped']} in a row)")
     return " | ".join(parts)
+
+
+def short_duration(seconds: float) -> str:
+    """A log line's duration: ``42s``, ``3m05s``, ``2h01m``.
+
+    Example:
+        >>> short_duration(42.4), short_duration(185), short_duration(7290)
+        ('42s', '3m05s', '2h01m')
+    """
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def format_eval(result: dict[str, Any]) -> str:

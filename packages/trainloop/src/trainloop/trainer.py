@@ -607,6 +607,7 @@ class _Progress:
         self.trainer, self.logger = trainer, logger
         self.bar: Any = None
         self.window_tokens, self.window_t0 = 0, trainer._clock()
+        self.start_step, self.start_t = trainer.state.step, trainer._clock()
 
     def __enter__(self) -> _Progress:
         t, cfg = self.trainer, self.trainer.config
@@ -620,6 +621,14 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def eta(self, result: StepResult, now: float) -> float:
+        """Seconds left: the steps still planned at this fit's pace so far, or the time budget's rest if sooner."""
+        cfg, done = self.trainer.config, result.step - self.start_step
+        left = (self.trainer.schedule.max_steps - result.step) * (now - self.start_t) / max(done, 1)
+        if cfg.time_budget_s is not None:
+            left = min(left, cfg.time_budget_s - result.agreed.elapsed)
+        return max(0.0, left)
 
     def step(self, result: StepResult) -> None:
         t, cfg = self.trainer, self.trainer.config
@@ -637,6 +646,7 @@ class _Progress:
             tps = self.window_tokens / max(now - self.window_t0, 1e-9)
             self.window_tokens, self.window_t0 = 0, now
             record["tokens_seen"] = t.state.tokens_seen
+            record["eta_s"] = self.eta(result, now)
             add_throughput(record, tps, t.device, t.flops_per_token, t.peak_tflops, t.world_size)
             self.logger.log(record)
             t._say(format_line(record), self.bar)
