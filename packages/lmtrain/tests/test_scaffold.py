@@ -3,6 +3,7 @@ record in `train` and `finetune`, a budget sizes a fine-tune's schedule as it si
 fine-tune keeps what it started with and says what a new --set changes, and the run levers reach every recipe."""
 
 import json
+import re
 
 import pytest
 from trained_runs import tiny_run
@@ -74,3 +75,13 @@ def test_compile_and_gpumon_reach_a_finetune(made, tmp_path, monkeypatch, capsys
     assert _finetune(made, tmp_path / "f", "--max-steps", "1", "--set", "micro_batch=2", "--compile", "--gpumon",
                      "--set", "cpu_threads=1", "--no-progress") == 0  # fmt: skip
     assert compiled == ["GPT"] and list((tmp_path / "f").glob("gpumon*.csv"))
+
+
+def test_a_finetune_too_short_to_learn_says_so(made, tmp_path, capsys):
+    capsys.readouterr()
+    assert _finetune(made, tmp_path / "f", "--set", "micro_batch=8", "--set", "cpu_threads=1", "--no-progress") == 0
+    out = capsys.readouterr().out
+    assert re.search(r"warning: \d optimizer step\(s\) of 8 rows over \d+ training samples .* too few to learn", out)
+    assert _finetune(made, tmp_path / "g", "--max-steps", "60", "--set", "micro_batch=8", "--set", "cpu_threads=1",
+                     "--set", "eval_every=0", "--set", "save_every=0", "--no-progress") == 0  # fmt: skip
+    assert "too few to learn" not in capsys.readouterr().out

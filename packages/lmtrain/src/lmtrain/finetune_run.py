@@ -32,6 +32,7 @@ FINETUNE_DEFAULTS: dict[str, Any] = dict(
     lr=2e-4, min_lr=2e-6, schedule="cosine", weight_decay=0.0, micro_batch=8, clip=1.0, log_every=10
 )
 FULL_LR = 5e-5  # the whole model moves: a smaller step than the adapters'
+FEW_STEPS = 50  # fewer optimizer steps than this is worth a warning (see _too_short)
 # Padding is the default batching: on this project's CPU, packed rows measured 0.83x-0.94x of padding's tokens/s
 # (tools/bench_batching_step.py, tools/bench_finetune.py: cpu-small with LoRA r=16, rows of 256; docs/benchmarks.md),
 # the varlen attention running one call per sample there. On a GPU the fused varlen kernel may turn it (not measured).
@@ -200,6 +201,7 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     recorded, cache = saved or source.run, ProbeCache()
     plan = settle_cpu(run, lambda world: settle(request, base, world, saved),
                       lambda p: _model(p, request), recorded=recorded, cache=cache)  # fmt: skip
+    plan = dataclasses.replace(plan, notes=plan.notes + _too_short(plan, len(train_enc.samples), run.world.world_size))
     matmul = route_matmuls(run, plan, recorded=recorded, cache=cache)
     torch.manual_seed(plan.train.seed)
     model = _model(plan, request, source)
@@ -258,17 +260,33 @@ def _base(request: FinetuneRequest, source: Any, saved: RunRecord | None, seq_le
     def size(train_cfg: Any, max_steps: int | None, fixed: set[str]) -> Any:
         from lmtrain.run_plan import size_steps
 
+        check(None, train_cfg, None)  # one global batch at least, before the steps are counted in epochs
         steps = max_steps or (train_cfg.max_steps if "max_steps" in fixed else epoch_batches(train_cfg)
                               .batches_per_epoch())  # fmt: skip
         every = max(1, steps // 4)
         cadence = {"warmup_steps": min(steps // 10, 100), "eval_every": every, "save_every": every,
                    "log_every": min(train_cfg.log_every, steps)}  # fmt: skip
-        train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in cadence.items() if k not in fixed})
+        try:
+            train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in cadence.items() if k not in fixed})
+        except ValueError as exc:  # trainloop's ConfigError names the field
+            raise LmtrainError(str(exc)) from None
         return size_steps(train_cfg, steps, fixed, "--max-steps" if max_steps else None)
 
     model = lmcore.ModelConfig.from_dict(dict(source.model_config))
     return Base(model, train, DataConfig(seq_len=seq_len), recipe=source.run.recipe, values=values, check=check,
                 size=size)  # fmt: skip
+
+
+def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
+    """A warning for a fine-tune whose steps are too few to move the weights much (fewer than FEW_STEPS, a rule of
+    thumb: a few warmup steps and a handful at the peak rate)."""
+    steps = plan.train.max_steps
+    if plan.budgeted or steps >= FEW_STEPS:
+        return ()
+    rows = plan.train.micro_batch * plan.train.grad_accum * world_size
+    return (f"warning: {steps} optimizer step(s) of {rows} rows over {samples} training samples (about "
+            f"{steps * rows / max(samples, 1):.2g} epoch(s)) at lr {plan.train.lr:g}: too few to learn much; give "
+            "--max-steps N (several epochs) or --time-budget SECONDS",)  # fmt: skip
 
 
 def _model(plan: Any, request: FinetuneRequest, source: Any = None) -> Any:
