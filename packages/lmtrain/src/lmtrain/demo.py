@@ -29,12 +29,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from lmcore import GPT
     from lmtrain.corpus import build_corpus
     from lmtrain.evaluate import evaluate_text
+    from lmtrain.plan import TrainRequest
     from lmtrain.prepare_data import prepare
     from lmtrain.recipes import DEFAULT_RECIPE
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from lmtrain.sample import continue_text
     from lmtrain.shell import lmtrain_command
-    from lmtrain.train_run import train
+    from lmtrain.train_run import run_request
 
     if not math.isfinite(args.time_budget) or args.time_budget <= 0:
         raise LmtrainError(f"--time-budget must be a finite number of seconds > 0, got {args.time_budget}")
@@ -55,7 +56,15 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[3/5] train: {DEFAULT_RECIPE} on CPU, time budget {args.time_budget:.0f} s (its setup and evaluations "
           "included)", flush=True)  # fmt: skip
     # --overwrite: a second demo into the same directory starts over.
-    summary = train(data, run, recipe=DEFAULT_RECIPE, time_budget_s=args.time_budget, overwrite=True)
+    request = TrainRequest(
+        data=str(data),
+        out=str(run),
+        recipe=DEFAULT_RECIPE,
+        time_budget_s=args.time_budget,
+        overwrite=True,
+        next_commands=False,
+    )  # the demo's own list of next commands ends it
+    summary = run_request(request)
     model, run_info, checkpoint = load_trained_model(run)
     sp = load_tokenizer(run)
     # The same model before training: the run's configuration and seed give its step-0 weights.
@@ -65,8 +74,9 @@ def run_demo(args: argparse.Namespace) -> int:
     seq_len, eos_id = run_info.seq_len, run_info.eos_id
     scores = [evaluate_text(m, sp, val_text, context=seq_len, stride=seq_len // 2, eos_id=eos_id)["bits_per_byte"]
               for m in (untrained, model)]  # fmt: skip
-    print(f"[4/5] eval on held-out source ({len(val_text):,} characters never trained on): {scores[1]:.3f} bits "
-          f"per byte after training, {scores[0]:.3f} before ({checkpoint.name})", flush=True)  # fmt: skip
+    print(f"[4/5] eval, sliding windows over the first {len(val_text):,} characters of {data / 'val.txt'} (held "
+          f"out; a larger sample than the training's evaluation windows above): {scores[1]:.3f} bits per byte after "
+          f"training ({checkpoint.name}), {scores[0]:.3f} before", flush=True)  # fmt: skip
     samples = [continue_text(m, sp, DEMO_PROMPT, eos_id, 60, temperature=0.0) for m in (untrained, model)]
     rule = "-" * 60
     print(f"[5/5] sample: the same prompt, continued greedily before and after training:\n{rule}\nbefore:\n"

@@ -57,7 +57,7 @@ def heldout_prompts(data: str | Path, out: Path, n: int, val_fraction: float = 0
 def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Fine-tune ``run_dir`` with LoRA on instruction pairs from the standard library for ``time_budget_s`` seconds
     into ``out / "finetune"``, and report the held-out response loss and generation scores before and after."""
-    from lmtrain.finetune_run import finetune
+    from lmtrain.finetune_run import FinetuneRequest, run_finetune_request
     from lmtrain.instructions import write_instructions
 
     pairs = out / "instructions.jsonl"
@@ -70,9 +70,11 @@ def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[
     ft = out / "finetune"
     say(f"[finetune 2/2] LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s")
     settings = {"lr": DEMO_LR, "eval_every": 0, "save_every": 0, "micro_batch": 8, "warmup_steps": 20, "log_every": 20}
-    summary = finetune(f"{run_dir}:best", pairs, ft, seq_len=DEMO_SEQ_LEN, time_budget_s=time_budget_s, batching="pack",
-                       overwrite=True, overrides=settings, lora_r=DEMO_LORA_R,
-                       lora_alpha=DEMO_LORA_ALPHA, lora_dropout=DEMO_LORA_DROPOUT)  # fmt: skip
+    request = FinetuneRequest(f"{run_dir}:best", str(pairs), str(ft), seq_len=DEMO_SEQ_LEN, batching="pack",
+                              time_budget_s=time_budget_s, overwrite=True, overrides=settings, lora_r=DEMO_LORA_R,
+                              lora_alpha=DEMO_LORA_ALPHA, lora_dropout=DEMO_LORA_DROPOUT,
+                              next_commands=False)  # the demo's own list of next commands ends it
+    summary = run_finetune_request(request)
     after = heldout_response_loss(ft, pairs, seq_len=DEMO_SEQ_LEN, checkpoint="latest")
     scores_after = _scores(ft, prompts, out / "generations-after.jsonl", checkpoint="latest")
     result = {"loss_before": before["loss"], "loss_after": after["loss"], "loss_se": after.get("loss_se"),

@@ -64,6 +64,7 @@ class FinetuneRequest:
     gpumon: bool = False
     compile: bool = False
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    next_commands: bool = True  # the closing block lists the commands to run next (the demo prints its own)
 
     def __post_init__(self) -> None:
         check_run_options(self)
@@ -230,7 +231,9 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
               after=(lambda m: lmcore.lora_state(m)) if lora is not None else None)  # fmt: skip
     if lora is not None and run.world.rank == 0:
         lmcore.save_lora(model, run.run_dir / "adapters.safetensors", tensors=out["after"])
-    return finish(run, plan, out, as_json=as_json, next_commands=_next_commands(run.run_dir))
+    scored = "the response tokens of the held-out samples, as during training"
+    nexts = _next_commands(run.run_dir) if request.next_commands else []
+    return finish(run, plan, out, as_json=as_json, next_commands=nexts, scored=scored)
 
 
 def _base(request: FinetuneRequest, source: Any, saved: RunRecord | None, seq_len: int, eos: int,

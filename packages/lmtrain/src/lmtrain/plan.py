@@ -51,6 +51,7 @@ class TrainRequest:
     gpumon: bool = False
     compile: bool = False  # torch.compile the model (lmcore.compile_model); on a CPU it measured no faster in fp32
     init_from: str | None = None  # RUN[:best|latest|STEP]: start from that checkpoint's weights (lmtrain.init_from)
+    next_commands: bool = True  # the closing block lists the commands to run next (the demo prints its own)
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.model_config is not None:

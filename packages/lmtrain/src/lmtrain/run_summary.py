@@ -42,9 +42,12 @@ def stop_reason(summary: RunSummary) -> str:
     return str(summary.stopped)
 
 
-def closing_block(summary: RunSummary, next_commands: Sequence[str] = (), command_s: float | None = None) -> str:
+def closing_block(
+    summary: RunSummary, next_commands: Sequence[str] = (), command_s: float | None = None, scored: str = ""
+) -> str:
     """The end of a run as people read it: why it stopped, steps and tokens, the best checkpoint, the final
-    evaluation with units, the wall time, where the weights and the plot are, and ``next_commands``."""
+    evaluation with units and what it ``scored``, the wall time, where the weights and the plot are, and
+    ``next_commands``."""
     from trainloop.metrics_logging import format_eval
 
     run_dir = summary.run_dir
@@ -54,7 +57,7 @@ def closing_block(summary: RunSummary, next_commands: Sequence[str] = (), comman
     if summary.loss is not None:
         rows.append(("last loss", f"{summary.loss:.4f} nats/token (training batch)"))
     if summary.eval:
-        rows.append(("final eval", format_eval(dict(summary.eval))))
+        rows.append(("final eval", format_eval(dict(summary.eval)) + (f" ({scored})" if scored else "")))
     if summary.best:
         best_dir = Path(summary.checkpoint).parent / f"step_{int(summary.best['step']):08d}"
         rows.append(("best", f"step {int(summary.best['step']):,}, eval loss {summary.best['eval_loss']:.4f} "

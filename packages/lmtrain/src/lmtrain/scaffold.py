@@ -280,10 +280,11 @@ def fit(
     return out
 
 
-def finish(run: Run, plan: RunPlan, out: Mapping[str, Any], *, next_commands: Sequence[str] = (),
+def finish(run: Run, plan: RunPlan, out: Mapping[str, Any], *, next_commands: Sequence[str] = (), scored: str = "",
            as_json: bool = False) -> RunSummary:  # fmt: skip
-    """The end of a run on the main rank: RUN_DIR/summary.json, the loss plot, the closing block (lmtrain.run_summary)
-    with ``next_commands``, and the same facts as one JSON line; ``as_json`` prints the JSON line alone."""
+    """The end of a run on the main rank: RUN_DIR/summary.json, the loss plot, and the closing block
+    (lmtrain.run_summary) with what the evaluation ``scored`` and ``next_commands``, or with ``as_json`` the same
+    facts as one JSON line."""
     fields = {k: out[k] for k in ("stopped", "step", "loss", "eval", "best", "checkpoint", "tokens_seen",
                                   "total_skips", "wall_s", "budget_plans")}  # fmt: skip
     summary = RunSummary(run_dir=run.run_dir, plan=plan, **fields)
@@ -296,7 +297,7 @@ def finish(run: Run, plan: RunPlan, out: Mapping[str, Any], *, next_commands: Se
             facts = {"summary": {**summary.to_dict(), "reason": stop_reason(summary)}, "run_dir": str(run.run_dir)}
             print(json.dumps(facts, default=str), flush=True)
         else:
-            print(closing_block(summary, next_commands, time.perf_counter() - run.t_start), flush=True)
+            print(closing_block(summary, next_commands, time.perf_counter() - run.t_start, scored), flush=True)
     return summary
 
 

@@ -164,7 +164,10 @@ def _run(run: Run, request: TrainRequest, as_json: bool) -> RunSummary:
         files={TOKENIZER_FILE: Path(meta["tokenizer_path"])},
         bytes_per_token=meta["val"]["bytes_per_token"],
     )
-    return finish(run, plan, out, as_json=as_json, next_commands=next_commands(run.run_dir, meta))
+    windows = f"the first {plan.eval_windows:,}" if plan.eval_windows is not None else "all"
+    scored = f"{windows} windows of {plan.seq_len} tokens of the validation split, as during training"
+    nexts = next_commands(run.run_dir, meta) if request.next_commands else []
+    return finish(run, plan, out, as_json=as_json, next_commands=nexts, scored=scored)
 
 
 def next_commands(run_dir: Path, meta: Mapping[str, Any]) -> list[str]:

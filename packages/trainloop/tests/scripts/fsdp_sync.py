@@ -21,7 +21,7 @@ def main() -> None:
         torch.manual_seed(0)
         engine = make_engine(BlocksLM(), TrainConfig(engine="fsdp", grad_accum=2, fsdp_sync_every_micro=every))
         inputs, targets = next(SeqData(4, rank=rank, world_size=world))
-        engine.backward(inputs, targets, sync=False, n_micro=2)
+        engine.backward(inputs, targets, sync=False, divisor=2.0)
         out[str(every)] = sum(p.grad is not None for p in engine.module.parameters())
     if rank == 0:
         out["params"] = sum(1 for _ in BlocksLM().parameters())
