@@ -166,8 +166,8 @@ def _doctests(session: nox.Session, dist: str) -> None:
 @nox.session(python=PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
-    command, commit and load (tools/check_doc_figures.py); mypy (mypy.ini) over the six packages, installed with
-    their dependencies so that the types they use are checked too."""
+    command (one the tree still has), commit, load and processor (tools/check_doc_figures.py); mypy (mypy.ini) over
+    the six packages, installed with their dependencies so that the types they use are checked too."""
     _torch_index(session)
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
