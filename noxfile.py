@@ -1,7 +1,8 @@
 """Every way to install, test, lint and benchmark the toolkit.
 
 `nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges and
-install lines, each package alone, integration). `nox -s demo` trains the embedded default.
+install lines, the pins resolved against the public indexes, each package alone,
+integration). `nox -s demo` trains the embedded default.
 Sessions reuse their virtual environments (the integration one starts fresh each time);
 `nox -s clean` removes them all (.nox/).
 
@@ -11,14 +12,24 @@ other projects on PyPI (each pyproject.toml says which).
 
 Torch is pinned through a constraints file so that no session pulls a CUDA build
 by accident: `tools/constraints-cpu.txt` by default, or the file named by
-`LMTOOLS_CONSTRAINTS` (a GPU host points it at its own pins).
+`LMTOOLS_CONSTRAINTS` (a GPU host points it at its own pins). With the default pins the
+sessions add PyTorch's CPU index (`LMTOOLS_TORCH_INDEX`; empty: none) to pip's extra indexes
+when it answers, since the CPU build of torch is not on PyPI; `nox -s resolve` checks that the
+install sets resolve from PyPI and that index alone.
+
+Sessions run on the Python that runs nox when it is one of 3.10-3.13, else on the newest of
+those found on PATH; `nox --force-python 3.12 ...` picks one.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shlex
+import shutil
 import sys
+import urllib.request
 from pathlib import Path
 
 import nox
@@ -28,7 +39,8 @@ ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = os.environ.get("LMTOOLS_CONSTRAINTS", str(ROOT / "tools" / "constraints-cpu.txt"))
 sys.path.insert(0, str(ROOT / "tools"))
-from check_install_docs import install_lines, pyproject, siblings  # noqa: E402 - tools/ is not a package
+from check_install_docs import PATH as DIRECTORY  # noqa: E402 - tools/ is not a package
+from check_install_docs import install_lines, pyproject, siblings  # noqa: E402
 
 # Directories under packages/, in dependency order: a package comes after every sibling it depends on.
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
@@ -45,11 +57,29 @@ TEST_EXTRAS = {
 # Distributions with our import names that belong to unrelated projects on PyPI; none may ever be installed.
 FOREIGN = ["tokbin", "gpumon", "lmcore", "trainloop"]
 
+# The Python versions the packages support (requires-python >= 3.10) and the pinned torch has wheels for.
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+# PyPI's Linux torch is the CUDA build (several GB of NVIDIA libraries, and a Triton pin of its own); the CPU build
+# the constraints mean comes from PyTorch's index. Set LMTOOLS_TORCH_INDEX to another index, or to "" for none.
+TORCH_INDEX = os.environ.get("LMTOOLS_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+PYPI = "https://pypi.org/simple"
+
+
+def _session_python() -> str | None:
+    """None (nox's own interpreter) when nox runs on one of PYTHONS, else the newest of PYTHONS on PATH."""
+    if f"{sys.version_info.major}.{sys.version_info.minor}" in PYTHONS:
+        return None
+    found = [v for v in PYTHONS if shutil.which(f"python{v}")]
+    return found[-1] if found else PYTHONS[-1]  # none there: nox says that it found no python3.13
+
+
+PYTHON = _session_python()
+
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
-# pip reads PIP_CONSTRAINT in every pip it starts, build environments included, so
-# an sdist that builds against torch (DeepSpeed) also gets the pinned CPU build.
+# pip reads PIP_CONSTRAINT (and PIP_EXTRA_INDEX_URL, see _torch_index) in every pip it starts, build environments
+# included, so a package built from its sdist gets the same pins.
 os.environ["PIP_CONSTRAINT"] = CONSTRAINTS
 # No byte-compiling at install: torch alone has thousands of modules, and a fresh session installs it in 31 s with
 # compilation against 13 s without; Python compiles what the tests import, once.
@@ -86,6 +116,36 @@ def _documented_install(session: nox.Session, readme: Path) -> None:
     session.run("python", "-m", "pip", "install", *lines[0])
 
 
+@functools.cache
+def _answers(index: str, timeout_s: float = 10.0) -> bool:
+    """Whether `index` serves torch's page (one request per nox run; an unreachable index would cost pip a retry
+    loop of several seconds for every package of every install)."""
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{index.rstrip('/')}/torch/", method="HEAD"), timeout=timeout_s
+        ):
+            return True
+    except (OSError, ValueError):  # URLError and timeouts are OSErrors
+        return False
+
+
+def _torch_index(session: nox.Session) -> None:
+    """With the default CPU pins, add TORCH_INDEX to pip's extra indexes for this and later sessions when it answers
+    (torch's CPU build wins over PyPI's CUDA build of the same version: its local label `+cpu` sorts higher). Where
+    it does not answer (a machine with a local CPU wheel in pip's find-links and no route there), pip's own
+    configuration decides, and the session says so."""
+    if not TORCH_INDEX or ("LMTOOLS_CONSTRAINTS" in os.environ and "LMTOOLS_TORCH_INDEX" not in os.environ):
+        return
+    extra = os.environ.get("PIP_EXTRA_INDEX_URL", "").split()
+    if TORCH_INDEX in extra:
+        return
+    if _answers(TORCH_INDEX):
+        os.environ["PIP_EXTRA_INDEX_URL"] = " ".join([*extra, TORCH_INDEX])
+    else:
+        session.log(f"{TORCH_INDEX} does not answer: torch comes from pip's own sources (PyPI's CUDA build does not "
+                    "resolve with tools/constraints-cpu.txt; a CPU wheel in find-links does)")  # fmt: skip
+
+
 def _test_env(session: nox.Session) -> dict[str, str]:
     # DeepSpeed JIT-builds its CPU ops into torch's extension cache, keyed by name only: venvs sharing the default
     # cache rebuild each other's builds (minutes on a busy machine). One cache per venv keeps each build.
@@ -103,11 +163,12 @@ def _doctests(session: nox.Session, dist: str) -> None:
     _pytest(session, "--doctest-modules", "--pyargs", dist.replace("-", "_"))
 
 
-@nox.session(python="3.11", tags=["ci"])
+@nox.session(python=PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
-    command, commit and load (tools/check_doc_figures.py); mypy (mypy.ini) over the six packages, installed with
-    their dependencies so that the types they use are checked too."""
+    command (one the tree still has), commit, load and processor (tools/check_doc_figures.py); mypy (mypy.ini) over
+    the six packages, installed with their dependencies so that the types they use are checked too."""
+    _torch_index(session)
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
@@ -116,20 +177,88 @@ def lint(session: nox.Session) -> None:
     session.run("mypy", "--config-file", "mypy.ini", *[f"packages/{p}/src" for p in PACKAGES])
 
 
-@nox.session(python="3.11", tags=["ci"])
+@nox.session(python=PYTHON, tags=["ci"])
 def version_ranges(session: nox.Session) -> None:
     """Every sibling version range admits the sibling's current version; every documented `pip install packages/...`
     line names the directories of all the siblings it needs and only extras that exist."""
-    session.install("packaging>=23")
+    session.install("packaging>=23", "tomli>=1.1; python_version < '3.11'")
     session.run("python", "tools/check_version_ranges.py")
     session.run("python", "tools/check_install_docs.py")
 
 
-@nox.session(python="3.11", tags=["ci"])
+def _install_sets() -> dict[str, list[str]]:
+    """What the demo installs, and the union of what the test sessions install (each package with the extras its
+    tests use and those of the README's install line, the test and lint tools): one requirement per directory."""
+    extras = {p: set(TEST_EXTRAS.get(p, [])) for p in PACKAGES}
+    for arg in install_lines(ROOT / "README.md")[0]:
+        match = DIRECTORY.match(arg)
+        if match and match.group(1) in extras:
+            extras[match.group(1)] |= set(filter(None, (match.group(2) or "").split(",")))
+    tools = [*TEST_TOOLS, "tokenizers", "ruff>=0.6", "mypy>=1.10", "tomli>=1.1; python_version < '3.11'"]
+    return {"demo": _with_siblings("lmtrain", ["hf"]), "tests": [_path(p, sorted(extras[p])) for p in PACKAGES] + tools}
+
+
+def _local_torch_wheels(session: nox.Session, into: Path) -> list[str]:
+    """Link into `into` the CPU wheels of the pinned torch for the session's Python that lie in pip's configured
+    find-links (PIP_FIND_LINKS, pip.conf): the files PyTorch's CPU index serves, on a machine that cannot reach it."""
+    pin = next(
+        (ln.split("==")[1].strip() for ln in Path(CONSTRAINTS).read_text().splitlines() if ln.startswith("torch==")),
+        None,
+    )
+    code = "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')"
+    tag = session.run("python", "-c", code, silent=True).strip()
+    config = session.run("python", "-m", "pip", "config", "list", silent=True)
+    places = os.environ.get("PIP_FIND_LINKS", "").split()
+    places += [
+        p for line in config.splitlines() if "find-links=" in line for p in line.split("=", 1)[1].strip("'\"").split()
+    ]
+    found = []
+    for place in dict.fromkeys(places):
+        for wheel in sorted(Path(place.removeprefix("file://")).glob(f"torch-{pin}+cpu-{tag}-*.whl")) if pin else []:
+            (into / wheel.name).unlink(missing_ok=True)
+            (into / wheel.name).symlink_to(wheel)
+            found.append(str(wheel))
+    return found
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def resolve(session: nox.Session) -> None:
+    """pip's resolver, as a dry run that installs nothing, on the demo's install set and on the union of the tests'
+    ones, with this file's constraints, from PyPI alone plus torch's CPU build: a pin that cannot resolve on a stock
+    machine fails here. pip's configuration and environment are ignored (--isolated and no config file). Torch's
+    CPU build comes from TORCH_INDEX or, where that does not answer, from the same wheel in pip's find-links; the
+    session says which, and what resolved."""
+    if TORCH_INDEX and _answers(TORCH_INDEX):
+        source = ["--extra-index-url", TORCH_INDEX]
+    else:
+        standin = Path(session.create_tmp()) / "torch-cpu-wheels"
+        standin.mkdir(exist_ok=True)
+        wheels = _local_torch_wheels(session, standin)
+        if not wheels:
+            session.error(f"cannot check: {TORCH_INDEX or 'LMTOOLS_TORCH_INDEX'} does not answer and pip's find-links "
+                          "hold no CPU wheel of the pinned torch for this Python")  # fmt: skip
+        session.log(f"{TORCH_INDEX} does not answer: torch's CPU build from {', '.join(wheels)}, the rest from PyPI")
+        source = ["--find-links", str(standin)]
+    env = {"PIP_CONFIG_FILE": os.devnull}  # pip reads it even under --isolated, which skips only the user's files
+    session.chdir(ROOT)
+    for name, requirements in _install_sets().items():
+        report = Path(session.create_tmp()) / f"resolve-{name}.json"
+        session.run("python", "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
+                    "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report), *requirements,
+                    env=env)  # fmt: skip
+        chosen = {
+            i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+        }
+        pinned = ", ".join(f"{n} {chosen[n]}" for n in ("torch", "triton", "deepspeed") if n in chosen)
+        session.log(f"{name}: {len(chosen)} distributions resolve ({pinned})")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
 @nox.parametrize("dist", PACKAGES)
 def package(session: nox.Session, dist: str) -> None:
     """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
     its doctests."""
+    _torch_index(session)
     # A reused venv already holds this version: reinstall so that it gets today's code.
     session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
     _documented_install(session, PACKAGES_DIR / dist / "README.md")
@@ -139,9 +268,10 @@ def package(session: nox.Session, dist: str) -> None:
     _doctests(session, dist)
 
 
-@nox.session(python="3.11")
+@nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
+    _torch_index(session)
     editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
     for dist in PACKAGES:
@@ -150,11 +280,12 @@ def tests(session: nox.Session) -> None:
         _doctests(session, dist)
 
 
-@nox.session(python="3.11", tags=["ci"], reuse_venv=False)
+@nox.session(python=PYTHON, tags=["ci"], reuse_venv=False)
 def integration(session: nox.Session) -> None:
     """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
     unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
     among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
+    _torch_index(session)
     _documented_install(session, ROOT / "README.md")
     listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
     foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
@@ -170,10 +301,11 @@ def integration(session: nox.Session) -> None:
     _pytest(session, "integration_tests")
 
 
-@nox.session(python="3.11")
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU. The hf extra comes with it, so
     that the `lmtrain export` the demo prints next works as printed."""
+    _torch_index(session)
     session.install(*_with_siblings("lmtrain", ["hf"]))
     session.run("lmtrain", "demo", *session.posargs)
     session.log(f"lmtrain is in {Path(session.bin) / 'lmtrain'} (source {Path(session.bin) / 'activate'} to put it on "
@@ -197,13 +329,14 @@ def clean(session: nox.Session) -> None:
     )
 
 
-@nox.session(python="3.11")
+@nox.session(python=PYTHON)
 def deepspeed_lower_bound(session: nox.Session) -> None:
     """trainloop's DeepSpeed tests on the oldest DeepSpeed its `deepspeed` extra admits, or on the version given
     (`nox -s deepspeed_lower_bound -- 0.17.1`, to try a wider range). DeepSpeed builds from its sdist: minutes.
 
     Not in CI: CI tests the pinned version (tools/constraints-cpu.txt).
     """
+    _torch_index(session)
     req = next(Requirement(r) for r in pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"])
     version = session.posargs[0] if session.posargs else next(s.version for s in req.specifier if s.operator == ">=")
     # The shared constraints pin DeepSpeed to the tested release: use them without that line.
@@ -218,9 +351,10 @@ def deepspeed_lower_bound(session: nox.Session) -> None:
     session.run("pytest", "tests/test_deepspeed.py", "tests/test_extras.py", env=_test_env(session))
 
 
-@nox.session(python="3.11")
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run every package benchmark and the headline TinyShakespeare benchmark; print their tables."""
+    _torch_index(session)
     session.install(*_with_siblings("lmtrain", ["deepspeed"]), "tokenizers")
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py"))
     if not session.posargs or "shakespeare" in session.posargs:

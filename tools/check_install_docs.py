@@ -25,7 +25,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport (nox brings it; the version_ranges session installs it)
+    import tomli as tomllib
 from check_version_ranges import report  # tools/ is the script's directory, hence on sys.path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name

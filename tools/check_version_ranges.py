@@ -13,7 +13,10 @@ import re
 import sys
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport (nox brings it; the version_ranges session installs it)
+    import tomli as tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

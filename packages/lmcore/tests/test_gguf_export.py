@@ -1,4 +1,5 @@
-"""The GGUF export read back with the `gguf` package's own reader: llama.cpp's MPT names, shapes, types, values."""
+"""The GGUF export read back with the `gguf` package's own reader: llama.cpp's MPT names, shapes, types, and the
+values of every tensor against the model's."""
 
 import numpy as np
 import pytest
@@ -18,6 +19,45 @@ def field(reader, key):
     return reader.get_field(key).contents()
 
 
+def llama_cpp_tensors(model: GPT) -> dict[str, np.ndarray]:
+    """Every tensor llama.cpp's MPT reads, named here from the model's modules (not through `gguf_tensors`), in
+    numpy's (out, in) order: what the file must hold, no more."""
+
+    def a(t):
+        return t.detach().float().numpy()
+
+    want = {"token_embd.weight": a(model.embed_tokens.weight)}
+    for i, block in enumerate(model.layers):
+        attn, mlp = block.self_attn, block.mlp
+        modules = {"attn_norm": block.attn_norm, "attn_output": attn.o_proj, "ffn_norm": block.mlp_norm,
+                   "ffn_up": mlp.up_proj, "ffn_down": mlp.down_proj}  # fmt: skip
+        for kind in ("weight", "bias"):
+            qkv = [getattr(m, kind) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+            if qkv[0] is not None:
+                want[f"blk.{i}.attn_qkv.{kind}"] = np.concatenate([a(t) for t in qkv])  # q rows, then k, then v
+            want |= {
+                f"blk.{i}.{n}.{kind}": a(getattr(m, kind)) for n, m in modules.items() if getattr(m, kind) is not None
+            }
+    want["output_norm.weight"] = a(model.norm.weight)
+    if model.norm.bias is not None:
+        want["output_norm.bias"] = a(model.norm.bias)
+    if not model.config.tie_embeddings:
+        want["output.weight"] = a(model.lm_head.weight)
+    return want
+
+
+def assert_every_tensor_is_the_models(reader, model: GPT, dtype: str) -> None:
+    """Names, shapes (numpy order) and values of every tensor in the file against the model's own; 2-D weights
+    rounded to float16 in an f16 file, exactly."""
+    stored = {t.name: np.asarray(t.data) for t in reader.tensors}
+    want = llama_cpp_tensors(model)
+    assert sorted(stored) == sorted(want)
+    for name, ours in want.items():
+        assert stored[name].shape == ours.shape, (name, stored[name].shape, ours.shape)
+        exact = ours.astype(np.float16).astype(np.float32) if dtype == "f16" and ours.ndim == 2 else ours
+        np.testing.assert_array_equal(stored[name].astype(np.float32), exact, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [dict(), dict(bias=False), dict(tie_embeddings=False, n_kv_head=2)],
@@ -27,6 +67,9 @@ def field(reader, key):
 def test_tensors_read_back_with_llama_cpp_names_shapes_and_values(tmp_path, overrides, dtype):
     torch.manual_seed(0)
     model = GPT(ModelConfig.from_preset("tiny", **overrides))
+    with torch.no_grad():  # no two tensors alike (norms start at ones, biases at zeros): a swapped pair shows
+        for param in model.parameters():
+            param.normal_()
     c = model.config
     write_gguf(model, tmp_path / "m.gguf", vocab(c.vocab_size), context_length=4 * c.context_length, dtype=dtype)
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
@@ -55,12 +98,7 @@ def test_tensors_read_back_with_llama_cpp_names_shapes_and_values(tmp_path, over
     assert {t.tensor_type.name for t in tensors.values() if len(t.shape) == 2} == {two_d}
     assert {t.tensor_type.name for t in tensors.values() if len(t.shape) == 1} == {"F32"}  # norms, biases
 
-    layer = model.layers[1].self_attn
-    qkv = torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]).detach().numpy()
-    for name, ours in [("blk.1.attn_qkv.weight", qkv), ("token_embd.weight", model.embed_tokens.weight.detach())]:
-        stored = np.asarray(tensors[name].data, dtype=np.float32).reshape(np.asarray(ours).shape)
-        exact = np.asarray(ours, dtype=np.float16 if dtype == "f16" else np.float32).astype(np.float32)
-        np.testing.assert_array_equal(stored, exact)
+    assert_every_tensor_is_the_models(reader, model, dtype)
 
     assert field(reader, "general.architecture") == "mpt"
     assert field(reader, "general.file_type") == (1 if dtype == "f16" else 0)

@@ -1,4 +1,5 @@
-"""The Hugging Face exports against the real transformers and peft: MPT (no custom code), custom code, PEFT LoRA."""
+"""The Hugging Face exports against the real transformers and peft: MPT (no custom code), custom code, PEFT LoRA;
+every tensor each writes compared with the model's (names, shapes, values), and the logits of what loads."""
 
 import pytest
 import torch
@@ -23,6 +24,51 @@ def sharpened(model: GPT) -> GPT:
     return model
 
 
+def randomised(model: GPT) -> GPT:
+    """Every parameter random (norms start at ones, biases at zeros), so no two tensors are alike and a swapped or
+    transposed one shows in a comparison of values."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    return model
+
+
+def saved_tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def assert_same_tensors(stored: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The same names, and under each the same shape and the same values, exactly."""
+    assert sorted(stored) == sorted(want)
+    for name, ours in want.items():
+        assert stored[name].shape == ours.shape, (name, tuple(stored[name].shape), tuple(ours.shape))
+        torch.testing.assert_close(stored[name], ours.detach(), rtol=0, atol=0, msg=name)
+
+
+def mpt_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """MPT's weights for `model`, named here from its modules (not through `mpt_state_dict`): embedding `wte` (the
+    head is tied and not stored), per block `norm_1`, the fused `Wqkv` (q rows, then k, then v), `out_proj`,
+    `norm_2`, `ffn.up_proj`, `ffn.down_proj`; the final `norm_f`."""
+
+    def w(layer):
+        return layer.base.weight if hasattr(layer, "base") else layer.weight  # a LoRA layer's base
+
+    want = {"transformer.wte.weight": model.embed_tokens.weight, "transformer.norm_f.weight": model.norm.weight}
+    for i, block in enumerate(model.layers):
+        attn, prefix = block.self_attn, f"transformer.blocks.{i}."
+        want |= {
+            prefix + "norm_1.weight": block.attn_norm.weight,
+            prefix + "attn.Wqkv.weight": torch.cat([w(attn.q_proj), w(attn.k_proj), w(attn.v_proj)]),
+            prefix + "attn.out_proj.weight": w(attn.o_proj),
+            prefix + "norm_2.weight": block.mlp_norm.weight,
+            prefix + "ffn.up_proj.weight": w(block.mlp.up_proj),
+            prefix + "ffn.down_proj.weight": w(block.mlp.down_proj),
+        }
+    return want
+
+
 def load_mpt(model: GPT, directory, **kwargs):
     from lmcore.hf_mpt import to_mpt
 
@@ -32,8 +78,9 @@ def load_mpt(model: GPT, directory, **kwargs):
 
 @pytest.mark.parametrize("shape", MPT_SHAPES)
 def test_mpt_export_gives_our_logits_beyond_the_training_context(tmp_path, shape):
-    model = exportable(**shape)
+    model = randomised(exportable(**shape))
     hf = load_mpt(model, tmp_path)
+    assert_same_tensors(saved_tensors(tmp_path / "model.safetensors"), mpt_tensors(model))
     assert type(hf).__name__ == "MptForCausalLM" and hf.config.model_type == "mpt"
     assert hf.config.max_seq_len == 4 * model.config.context_length
     torch.manual_seed(1)
@@ -83,8 +130,12 @@ def test_mismatches_name_every_field_that_does_not_map():
 def test_custom_code_export_loads_with_trust_remote_code_and_gives_our_logits(tmp_path, overrides):
     from lmcore.hf_custom import save_custom
 
-    model = sharpened(exportable(**overrides))
+    model = sharpened(randomised(exportable(**overrides)))
     save_custom(model, tmp_path, extra_config={"eos_token_id": 2})
+    # The model's own parameters under `model.`, the tied head once (named_parameters lists a shared one once).
+    want = {f"model.{name}": p for name, p in model.named_parameters()}
+    assert ("model.lm_head.weight" in want) == (not model.config.tie_embeddings)
+    assert_same_tensors(saved_tensors(tmp_path / "model.safetensors"), want)
     from transformers.dynamic_module_utils import get_imports
 
     for code in tmp_path.glob("*.py"):  # self-contained: nothing of ours, no Triton
@@ -113,12 +164,35 @@ def test_custom_code_refuses_padding_and_unmerged_adapters(tmp_path):
         hf(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))
 
 
+def peft_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """The adapter tensors PEFT's file must hold for `model` on its MPT export: `lora_A` (r, in) and `lora_B`
+    (out, r) of each targeted MPT module; on the fused `Wqkv`, one adapter of rank r x (number of q, k, v targeted):
+    their A matrices stacked in q, k, v order, each B in its projection's rows (q, k, v) and its own r columns."""
+    r, d = model.lora_settings["r"], model.config.d_model
+    want = {}
+    for i, block in enumerate(model.layers):
+        prefix, attn = f"base_model.model.transformer.blocks.{i}.", block.self_attn
+        qkv = [(row, m) for row, m in enumerate((attn.q_proj, attn.k_proj, attn.v_proj)) if hasattr(m, "lora_A")]
+        if qkv:
+            b = torch.zeros(3 * d, r * len(qkv))
+            for slot, (row, m) in enumerate(qkv):
+                b[row * d : (row + 1) * d, slot * r : (slot + 1) * r] = m.lora_B
+            want[prefix + "attn.Wqkv.lora_A.weight"] = torch.cat([m.lora_A for _, m in qkv])
+            want[prefix + "attn.Wqkv.lora_B.weight"] = b
+        for layer, path in ((attn.o_proj, "attn.out_proj"), (block.mlp.up_proj, "ffn.up_proj"),
+                            (block.mlp.down_proj, "ffn.down_proj")):  # fmt: skip
+            if hasattr(layer, "lora_A"):
+                want[f"{prefix}{path}.lora_A.weight"] = layer.lora_A
+                want[f"{prefix}{path}.lora_B.weight"] = layer.lora_B
+    return want
+
+
 @pytest.mark.parametrize("targets", [("q", "k", "v", "o"), ("q", "v"), ("k", "up", "down")])
 def test_lora_adapters_load_in_peft_onto_the_exported_base(tmp_path, targets):
     peft = pytest.importorskip("peft")
     from lmcore.hf_mpt import to_mpt, to_peft
 
-    model = apply_lora(exportable(), targets, r=4, alpha=16)
+    model = apply_lora(randomised(exportable()), targets, r=4, alpha=16)
     with torch.no_grad():  # trained-looking adapters: B = 0 would make the test pass with no adapter at all
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -126,10 +200,12 @@ def test_lora_adapters_load_in_peft_onto_the_exported_base(tmp_path, targets):
     to_mpt(model).save_pretrained(tmp_path / "base")
     to_peft(model, to_mpt(model), str(tmp_path / "base")).save_pretrained(tmp_path / "adapter")
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert_same_tensors(saved_tensors(tmp_path / "base" / "model.safetensors"), mpt_tensors(model))
+    assert_same_tensors(saved_tensors(tmp_path / "adapter" / "adapter_model.safetensors"), peft_tensors(model))
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     wrapped = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 50))
     with torch.no_grad():
-        ours, theirs, plain = model(ids).logits, wrapped(ids).logits, exportable()(ids).logits
+        ours, theirs, plain = model(ids).logits, wrapped(ids).logits, randomised(exportable())(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     assert (ours - plain).abs().max() > 1e-2  # the adapters change the output, so the comparison means something

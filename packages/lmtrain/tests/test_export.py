@@ -1,4 +1,5 @@
-"""`lmtrain export` against the real transformers and peft: what it writes loads and computes what we compute."""
+"""`lmtrain export` against the real transformers and peft: every tensor it writes is the model's (names, shapes,
+values: exported_tensors.py), and what it writes loads and computes what we compute."""
 
 import json
 import os
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from exported_tensors import assert_same_tensors, custom_tensors, mpt_tensors, peft_tensors
 from trained_runs import tiny_run, variant_run
 
 from lmtrain.cli import main
@@ -35,6 +37,12 @@ def export(*args: str) -> int:
     return main(["export", *[str(a) for a in args]])
 
 
+def written(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
 def no_leftovers(parent: Path) -> list[str]:
     return [p.name for p in parent.iterdir() if ".tmp-export" in p.name or ".old-export" in p.name]
 
@@ -48,6 +56,7 @@ def test_hf_export_loads_without_custom_code_and_matches_the_checkpoint(run, tmp
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == "MptForCausalLM"
     model = ours(run)
+    assert_same_tensors(written(out / "model.safetensors"), mpt_tensors(model))
     torch.manual_seed(0)
     for length in (20, 3 * model.config.context_length):  # the second runs past the training context (ALiBi)
         ids = torch.randint(0, model.config.vocab_size, (2, length))
@@ -88,6 +97,7 @@ def test_custom_export_takes_a_model_mpt_cannot_express(run, tmp_path):
     other = variant_run(run, tmp_path / "run", {3: model})
     out = tmp_path / "custom"
     assert export("--run", other, "--out", out, "--format", "hf-custom") == 0
+    assert_same_tensors(written(out / "model.safetensors"), custom_tensors(model))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     ids = torch.randint(0, config.vocab_size, (2, 70))
     with torch.no_grad():
@@ -110,6 +120,7 @@ def test_default_format_writes_mpt_where_the_model_maps_and_custom_code_otherwis
     said = capsys.readouterr()
     assert "wrote custom code" in said.err and "bias=True" in said.err, said.err
     assert "trust_remote_code=True" in said.out
+    assert_same_tensors(written(tmp_path / "custom" / "model.safetensors"), custom_tensors(biased))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "custom", trust_remote_code=True).eval()
     ids = torch.randint(0, biased.config.vocab_size, (1, 30))
     with torch.no_grad():
@@ -182,6 +193,8 @@ def test_lora_adapters_export_in_peft_layout(run, tmp_path):
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
         out.resolve()
     )
+    assert_same_tensors(written(out / "model.safetensors"), mpt_tensors(model))  # the base weights
+    assert_same_tensors(written(out / "adapter" / "adapter_model.safetensors"), peft_tensors(model))
     base = transformers.AutoModelForCausalLM.from_pretrained(out)
     wrapped = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 40))
@@ -192,6 +205,9 @@ def test_lora_adapters_export_in_peft_layout(run, tmp_path):
     merged = tmp_path / "merged"
     assert export("--run", run, "--out", merged, "--format", "hf", "--lora", adapters, "--merge-lora") == 0
     assert not (merged / "adapter").exists()
+    from lmcore import merge_lora
+
+    assert_same_tensors(written(merged / "model.safetensors"), mpt_tensors(merge_lora(model)))
     with torch.no_grad():
         plain = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
         torch.testing.assert_close(plain(ids).logits, expected, rtol=1e-5, atol=1e-5)
