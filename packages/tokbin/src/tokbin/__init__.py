@@ -1,4 +1,4 @@
-"""SentencePiece tokenization into a self-describing binary token file, memmap batches, samplers and prefetch."""
+"""Tokenization (SentencePiece or Hugging Face) into a self-describing binary token file, memmap batches, samplers."""
 
 from typing import TYPE_CHECKING
 
@@ -7,8 +7,11 @@ from tokbin.cleaning import clean_text
 from tokbin.documents import HashSplit
 from tokbin.encode import EncodeResult, encode_files, encode_inputs
 from tokbin.errors import TokenFileError
+from tokbin.hf_tokenizer import HFTokenizer
 from tokbin.samplers import BlendWindows, DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
 from tokbin.shards import ShardedTokens, open_tokens
+from tokbin.spm_tokenizer import SentencePieceTokenizer
+from tokbin.text_tokenizer import TemplateSource, Tokenizer, load_tokenizer
 from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
@@ -18,7 +21,7 @@ if TYPE_CHECKING:  # type checkers see the lazy names' real types
     from tokbin.loader import ClosableBackgroundGenerator, Loader
     from tokbin.sft import IGNORE_INDEX, sft_example
 
-# torch-backed parts load on first access, so the CLI and file tools start without importing torch
+# torch- and jinja2-backed parts load on first access, so the CLI and file tools start without importing them
 _LAZY = {
     "ClosableBackgroundGenerator": "tokbin.loader",
     "Loader": "tokbin.loader",
@@ -45,19 +48,24 @@ __all__ = [
     "DynamicLength",
     "EncodeResult",
     "EpochWindows",
+    "HFTokenizer",
     "HashSplit",
     "Loader",
     "RandomWindows",
+    "SentencePieceTokenizer",
     "SeqLenWarmup",
     "ShardedTokens",
+    "TemplateSource",
     "TokenFile",
     "TokenFileError",
     "TokenWriter",
+    "Tokenizer",
     "__version__",
     "clean_text",
     "encode_files",
     "encode_inputs",
     "file_sha256",
+    "load_tokenizer",
     "open_tokens",
     "sft_example",
     "train_tokenizer",
