@@ -118,7 +118,8 @@ def train_byte_level_bpe(text: str, special: list[str], regex: str, *, nfc: bool
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(text.splitlines(keepends=True), trainer)
+    # trained on runs of lines, not single lines, so that merges across line ends ("\n\n", "):\n") exist
+    tok.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
     if bos is not None:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
