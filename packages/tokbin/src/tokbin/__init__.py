@@ -18,11 +18,19 @@ from tokbin.version import __version__
 from tokbin.writer import TokenWriter, write_tokens
 
 if TYPE_CHECKING:  # type checkers see the lazy names' real types
+    from tokbin.chat_encode import ChatEncoding, chat_prompt_ids, encode_chat, generation_prompt
+    from tokbin.chat_template import ChatTemplate, ChatTemplateError
     from tokbin.loader import ClosableBackgroundGenerator, Loader
     from tokbin.sft import IGNORE_INDEX, sft_example
 
 # torch- and jinja2-backed parts load on first access, so the CLI and file tools start without importing them
 _LAZY = {
+    "ChatEncoding": "tokbin.chat_encode",
+    "ChatTemplate": "tokbin.chat_template",
+    "ChatTemplateError": "tokbin.chat_template",
+    "chat_prompt_ids": "tokbin.chat_encode",
+    "encode_chat": "tokbin.chat_encode",
+    "generation_prompt": "tokbin.chat_encode",
     "ClosableBackgroundGenerator": "tokbin.loader",
     "Loader": "tokbin.loader",
     "IGNORE_INDEX": "tokbin.sft",
@@ -43,6 +51,9 @@ __all__ = [
     "IGNORE_INDEX",
     "Blend",
     "BlendWindows",
+    "ChatEncoding",
+    "ChatTemplate",
+    "ChatTemplateError",
     "ClosableBackgroundGenerator",
     "DocumentLengths",
     "DynamicLength",
@@ -61,10 +72,13 @@ __all__ = [
     "TokenWriter",
     "Tokenizer",
     "__version__",
+    "chat_prompt_ids",
     "clean_text",
+    "encode_chat",
     "encode_files",
     "encode_inputs",
     "file_sha256",
+    "generation_prompt",
     "load_tokenizer",
     "open_tokens",
     "sft_example",
