@@ -1,6 +1,7 @@
 """The tokenizer interface: a SentencePiece model and a Hugging Face tokenizer.json behind one protocol, loaded by
 ``load_tokenizer``; the HF ids equal the ``tokenizers`` library's own, and its special tokens those transformers
-reads from tokenizer_config.json (transformers 4 and 5 layouts)."""
+reads from tokenizer_config.json (transformers 4 and 5 layouts). The HF tests skip without ``tokenizers`` (their
+fixtures ask for it); the SentencePiece ones run anyway."""
 
 import hashlib
 import json
@@ -14,8 +15,6 @@ import sentencepiece as spm
 from conftest import CHATML_TEMPLATE, LLAMA3_SPECIAL, write_hf_dir
 
 from tokbin import HFTokenizer, SentencePieceTokenizer, TemplateSource, TokenFileError, Tokenizer, load_tokenizer
-
-pytest.importorskip("tokenizers")
 
 TEXTS = [
     "def f(x):\n    return x + 1\n\n\n    indented after blank lines\n",
@@ -124,7 +123,8 @@ def test_identity_is_the_sha256_of_tokenizer_json(tmp_path, qwen_dir):
 
 
 @pytest.mark.parametrize("kind", ["hf", "sentencepiece"])
-def test_pickling_ships_the_serialized_tokenizer(kind, qwen_dir, lossless_model, tmp_path):
+def test_pickling_ships_the_serialized_tokenizer(kind, request, lossless_model, tmp_path):
+    qwen_dir = request.getfixturevalue("qwen_dir") if kind == "hf" else None
     tok = load_tokenizer(qwen_dir if kind == "hf" else lossless_model)
     moved = tmp_path / "moved"  # the worker does not read the path again
     shutil.copytree(qwen_dir, moved) if kind == "hf" else shutil.copy(lossless_model, moved)
@@ -156,7 +156,10 @@ def test_sentencepiece_keeps_its_line_by_line_unit(lossless_model):
     assert tok.decode([*ids, 10**6]) == text  # ids past the vocabulary (a padded model) are dropped
 
 
-def test_missing_extra_is_one_line_naming_it(qwen_dir):
+def test_missing_extra_is_one_line_naming_it(tmp_path):
+    qwen_dir = tmp_path / "model"  # the extra is asked for before the file is read
+    qwen_dir.mkdir()
+    (qwen_dir / "tokenizer.json").write_text("{}")
     code = (
         "import sys; sys.modules['tokenizers'] = None\n"
         "from tokbin import load_tokenizer, TokenFileError\n"
