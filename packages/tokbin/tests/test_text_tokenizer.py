@@ -14,7 +14,15 @@ import pytest
 import sentencepiece as spm
 from conftest import CHATML_TEMPLATE, LLAMA3_SPECIAL, write_hf_dir
 
-from tokbin import HFTokenizer, SentencePieceTokenizer, TemplateSource, TokenFileError, Tokenizer, load_tokenizer
+from tokbin import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TemplateSource,
+    TokenFileError,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_sha256,
+)
 
 TEXTS = [
     "def f(x):\n    return x + 1\n\n\n    indented after blank lines\n",
@@ -111,6 +119,7 @@ def test_named_templates_legacy_map_and_the_jinja_file_first(tmp_path, qwen_bpe)
 def test_identity_is_the_sha256_of_tokenizer_json(tmp_path, qwen_dir):
     tok = load_tokenizer(qwen_dir)
     assert tok.sha256 == hashlib.sha256((qwen_dir / "tokenizer.json").read_bytes()).hexdigest()
+    assert tokenizer_sha256(qwen_dir) == tokenizer_sha256(qwen_dir / "tokenizer.json") == tok.sha256
     copy = shutil.copytree(qwen_dir, tmp_path / "copy")
     (copy / "chat_template.jinja").write_text("{{ messages }}")  # the template is not part of the identity ...
     assert load_tokenizer(copy).sha256 == tok.sha256
@@ -153,6 +162,7 @@ def test_sentencepiece_keeps_its_line_by_line_unit(lossless_model):
     assert tok.special_tokens == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     assert tok.token_to_id("<|end|>") == sp.piece_to_id("<|end|>") and tok.token_to_id("zzzzqq") is None
     assert tok.encode("x", add_special_tokens=True) == [sp.bos_id(), *sp.encode("x")]
+    assert tok.sha256 == tokenizer_sha256(lossless_model) == hashlib.sha256(lossless_model.read_bytes()).hexdigest()
     assert tok.decode([*ids, 10**6]) == text  # ids past the vocabulary (a padded model) are dropped
 
 

@@ -11,7 +11,7 @@ from tokbin.hf_tokenizer import HFTokenizer
 from tokbin.samplers import BlendWindows, DocumentLengths, DynamicLength, EpochWindows, RandomWindows, SeqLenWarmup
 from tokbin.shards import ShardedTokens, open_tokens
 from tokbin.spm_tokenizer import SentencePieceTokenizer
-from tokbin.text_tokenizer import TemplateSource, Tokenizer, load_tokenizer
+from tokbin.text_tokenizer import TemplateSource, Tokenizer, load_tokenizer, tokenizer_sha256
 from tokbin.tokenfile import BLOCK_TOKENS, TokenFile
 from tokbin.tokenizer import file_sha256, train_tokenizer
 from tokbin.version import __version__
@@ -82,6 +82,7 @@ __all__ = [
     "load_tokenizer",
     "open_tokens",
     "sft_example",
+    "tokenizer_sha256",
     "train_tokenizer",
     "write_tokens",
 ]

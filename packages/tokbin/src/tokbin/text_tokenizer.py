@@ -75,6 +75,40 @@ class Tokenizer(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
 
 
+def _resolve(path: Path) -> tuple[str, Path]:
+    """("hf", tokenizer.json) or ("sentencepiece", the .model file) for a path ``load_tokenizer`` accepts."""
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return "hf", path / "tokenizer.json"
+        models = sorted(path.glob("*.model"))
+        if len(models) == 1:
+            return "sentencepiece", models[0]
+        found = f"{len(models)} .model files" if models else "neither"
+        raise TokenFileError(
+            path,
+            f"no tokenizer: expected tokenizer.json (a Hugging Face tokenizer) or one SentencePiece .model file, "
+            f"found {found}; point at the model directory the base model came with, or at the .model file",
+        )
+    if path.name == "tokenizer.json" or path.suffix == ".json":
+        if not path.is_file():
+            raise TokenFileError(path, "no such file: expected a Hugging Face tokenizer.json")
+        return "hf", path
+    return "sentencepiece", path
+
+
+def tokenizer_sha256(tokenizer: str | os.PathLike) -> str:
+    """The identity ``load_tokenizer(tokenizer).sha256`` gives, without building the tokenizer: the SHA-256 of the
+    ``.model`` file, or of a Hugging Face directory's ``tokenizer.json`` (what a run's tokenizer check compares).
+
+    Example::
+
+        tokenizer_sha256("Qwen2-0.5B/") == TokenFile("train.bin").tokenizer_sha256
+    """
+    from tokbin.tokenizer import file_sha256
+
+    return file_sha256(_resolve(Path(tokenizer))[1])
+
+
 def load_tokenizer(tokenizer: str | os.PathLike | Any) -> Tokenizer:
     """The tokenizer at ``tokenizer``: a SentencePiece ``.model`` file, a Hugging Face model directory (one holding
     ``tokenizer.json``; preferred where a directory also holds a ``.model``), a ``tokenizer.json`` file (its
@@ -90,23 +124,11 @@ def load_tokenizer(tokenizer: str | os.PathLike | Any) -> Tokenizer:
     from tokbin.spm_tokenizer import SentencePieceTokenizer
 
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = Path(tokenizer)
-        if path.is_dir():
-            if (path / "tokenizer.json").is_file():
-                return _hf(path)
-            models = sorted(path.glob("*.model"))
-            if len(models) == 1:
-                return SentencePieceTokenizer.load(models[0])
-            found = f"{len(models)} .model files" if models else "neither"
-            raise TokenFileError(
-                path,
-                f"no tokenizer: expected tokenizer.json (a Hugging Face tokenizer) or one SentencePiece .model file, "
-                f"found {found}; point at the model directory the base model came with, or at the .model file",
-            )
-        if path.name == "tokenizer.json" or path.suffix == ".json":
-            if not path.is_file():
-                raise TokenFileError(path, "no such file: expected a Hugging Face tokenizer.json")
-            return _hf(path.parent, path)
+        kind, path = _resolve(Path(tokenizer))
+        if kind == "hf":
+            from tokbin.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer.load(path.parent, path)
         return SentencePieceTokenizer.load(path)
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
@@ -115,9 +137,3 @@ def load_tokenizer(tokenizer: str | os.PathLike | Any) -> Tokenizer:
     if isinstance(tokenizer, spm.SentencePieceProcessor):
         return SentencePieceTokenizer(tokenizer)
     raise TypeError(f"tokenizer: expected a path, a Tokenizer or a SentencePieceProcessor, got {type(tokenizer)}")
-
-
-def _hf(directory: Path, tokenizer_json: Path | None = None) -> Tokenizer:
-    from tokbin.hf_tokenizer import HFTokenizer
-
-    return HFTokenizer.load(directory, tokenizer_json)
