@@ -29,6 +29,8 @@ from tokbin.tokenfile import TokenFile, gather_windows
 if TYPE_CHECKING:
     import torch
 
+    from tokbin.text_tokenizer import Tokenizer
+
 SPEC_KEYS = ("sources",)
 SOURCE_KEYS = ("path", "weight")
 # header fields every source must share: ids mean the same tokens only under one tokenizer
@@ -167,9 +169,12 @@ class Blend:
             rows[mine] = self.sources[s].read_windows(starts[mine] - self.offsets[s], length)
         return rows
 
-    def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
+    def verify(self, tokenizer: str | os.PathLike | Tokenizer | None = None, *, progress: bool = False) -> dict:
         """``TokenFile.verify`` for every source (checksums, ids, document index, tokenizer identity)."""
-        reports = [s.verify(tokenizer, progress=progress) for s in self.sources]
+        from tokbin.text_tokenizer import load_tokenizer
+
+        tok = None if tokenizer is None else load_tokenizer(tokenizer)  # read once, not once per source
+        reports = [s.verify(tok, progress=progress) for s in self.sources]
         return {
             "path": None if self.path is None else str(self.path),
             "n_tokens": self.n_tokens,

@@ -1,8 +1,10 @@
 """One piece of input to encoded documents: decode, clean, cut documents, read JSONL fields or Parquet values, pick
-held-out documents by hash, run SentencePiece. This is what each worker process does.
+held-out documents by hash, run the tokenizer. This is what each worker process does.
 
 The unit SentencePiece sees is the line, newline kept: pieces hold whole lines, so the ids never depend on where
 pieces were cut, and with the lossless options ("\\n" a user-defined symbol) they equal those of the whole text.
+A Hugging Face tokenizer sees whole documents (pieces then end only at document ends, see
+``tokbin.sources.cut_patterns``), so its ids equal its own encode of each document.
 """
 
 from __future__ import annotations
@@ -237,8 +239,24 @@ def segments(piece: Piece, opts: DocOptions) -> tuple[list[str], list[bool], int
     return texts, [True] * len(texts), bad
 
 
-def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceResult:
-    """Encode one piece with the SentencePiece processor ``sp`` (one thread: parallelism is across pieces)."""
+def _encode_units(tok, texts: list[str]) -> tuple[list[list[str]], list[list[int]]]:
+    """(the units of each text, the ids of each unit): lines for SentencePiece, whole documents otherwise.
+
+    SentencePiece runs on one thread: parallelism is across pieces. Its default (-1) starts a thread per core for a
+    list, which oversubscribes the cores under worker processes; one thread per worker measured fastest (200 MB on
+    2 cores: 2 workers x 1 thread 23-25 s, 1 worker x 2 threads 31 s, 2 x 2 27 s, 1 x 1 51 s). A Hugging Face
+    tokenizer's pre-tokenizer can join text across a newline (Qwen2's ``\\s*[\\r\\n]+`` makes one token of a blank line
+    run), so its unit is the whole document, whose ids then equal ``tokenizers``' own encode of it.
+    """
+    if getattr(tok, "kind", None) == "sentencepiece":
+        units = [t.splitlines(keepends=True) for t in texts]
+        flat = list(itertools.chain.from_iterable(units))
+        return units, tok.processor.encode(flat, out_type=int, num_threads=1)
+    return [[t] for t in texts], tok.encode_batch(texts)
+
+
+def encode_piece(tok, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceResult:
+    """Encode one piece with the tokenizer ``tok`` (a :class:`tokbin.text_tokenizer.Tokenizer`)."""
     texts, closed, bad = segments(piece, opts)
     raw = [t.encode("utf-8") for t in texts]
     n = len(texts)
@@ -248,11 +266,7 @@ def encode_piece(sp, piece: Piece, opts: DocOptions, dtype: np.dtype) -> PieceRe
         for i in range(1, n if tail_index is None else tail_index):  # whole documents: decided here
             keep[i] = opts.hash_split.keeps(zlib.crc32(raw[i]), len(raw[i]))
     chosen = [i for i in range(n) if keep[i]]
-    lines = [texts[i].splitlines(keepends=True) for i in chosen]
-    # num_threads=1: SentencePiece's default (-1) starts a thread per core for a list, which oversubscribes the
-    # cores under worker processes; one thread per worker measured fastest (200 MB on 2 cores: 2 workers x 1
-    # thread 23-25 s, 1 worker x 2 threads 31 s, 2 x 2 27 s, 1 x 1 51 s)
-    ids = sp.encode(list(itertools.chain.from_iterable(lines)), out_type=int, num_threads=1)
+    lines, ids = _encode_units(tok, [texts[i] for i in chosen])
     line_lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(line_lens.sum()))
     token_ends = np.concatenate([[0], np.cumsum(line_lens)])[np.cumsum([len(ls) for ls in lines], dtype=np.int64)]

@@ -27,8 +27,8 @@ from tokbin.errors import TokenFileError
 from tokbin.fileformat import dtype_for_vocab
 from tokbin.shards import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, ShardedTokens, shard_name, write_manifest
 from tokbin.sources import PIECE_BYTES, Piece, Position, ReadOptions, compression, expand_inputs, read_pieces
+from tokbin.text_tokenizer import Tokenizer, load_tokenizer
 from tokbin.tokenfile import TokenFile
-from tokbin.tokenizer import file_sha256, load_processor
 from tokbin.writer import TokenWriter, exclusive_lock
 
 __all__ = ["ERRORS", "EncodeResult", "HashSplit", "default_workers", "encode_files", "encode_inputs"]
@@ -57,12 +57,10 @@ class EncodeResult:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(model_proto: bytes, opts: DocOptions, dtype: str, parent: int) -> None:
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor()
-    sp.LoadFromSerializedProto(model_proto)
-    _WORKER.update(sp=sp, opts=opts, dtype=np.dtype(dtype))
+def _init_worker(tok: Tokenizer, opts: DocOptions, dtype: str, parent: int) -> None:
+    # one thread per worker, as for SentencePiece: the workers are the parallelism (tokenizers reads this per call)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tok=tok, opts=opts, dtype=np.dtype(dtype))
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
@@ -93,24 +91,26 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _encode_in_worker(piece: Piece) -> PieceResult:
-    result = encode_piece(_WORKER["sp"], piece, _WORKER["opts"], _WORKER["dtype"])
+    result = encode_piece(_WORKER["tok"], piece, _WORKER["opts"], _WORKER["dtype"])
     _trim_heap()
     return result
 
 
-def _encoded(pieces: Iterator[Piece], sp, opts: DocOptions, dtype: np.dtype, workers: int):
+def _encoded(pieces: Iterator[Piece], tok: Tokenizer, opts: DocOptions, dtype: np.dtype, workers: int):
     """(piece, result) in input order; with several workers at most 2 pieces per worker are in flight."""
     if workers == 1:
         for piece in pieces:
-            result = encode_piece(sp, piece, opts, dtype)
+            result = encode_piece(tok, piece, opts, dtype)
             _trim_heap()
             yield piece, result
         return
     # fork where there is one: spawn would re-import the caller's main module, which breaks scripts without a
-    # `__main__` guard; the children run only SentencePiece and numpy, no lock a parent thread could hold
+    # `__main__` guard; the children run only the tokenizer and numpy, no lock a parent thread could hold. Under
+    # spawn the tokenizer travels pickled as its serialized form (the .model bytes, the tokenizer.json text).
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
-    pool = ctx.Pool(workers, _init_worker, (sp.serialized_model_proto(), opts, dtype.str, os.getpid()))
+    with _parallelism_configured():
+        pool = ctx.Pool(workers, _init_worker, (tok, opts, dtype.str, os.getpid()))
     try:
         in_flight: deque = deque()
         for piece in pieces:
@@ -127,6 +127,20 @@ def _encoded(pieces: Iterator[Piece], sp, opts: DocOptions, dtype: np.dtype, wor
         pool.join()
 
 
+@contextlib.contextmanager
+def _parallelism_configured():
+    """TOKENIZERS_PARALLELISM set while the pool forks: tokenizers warns in every child forked after its threads ran
+    in the parent unless the variable is set (each worker sets it to false for itself anyway)."""
+    preset = "TOKENIZERS_PARALLELISM" in os.environ
+    if not preset:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if not preset:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+
+
 @dataclass
 class _Job:
     """What every piece of one encode shares: the inputs and how to read, cut and encode them."""
@@ -134,7 +148,7 @@ class _Job:
     paths: list[Path]
     read_opts: ReadOptions
     doc_opts: DocOptions
-    sp: Any
+    tok: Tokenizer
     workers: int
     dtype: np.dtype
     parquet_column: str | None
@@ -142,7 +156,7 @@ class _Job:
 
     def results(self, start: Position | None = None) -> Iterator[tuple[Piece, PieceResult]]:
         pieces = read_pieces(self.paths, self.read_opts, start or Position(), parquet_column=self.parquet_column)
-        for piece, result in _encoded(pieces, self.sp, self.doc_opts, self.dtype, self.workers):
+        for piece, result in _encoded(pieces, self.tok, self.doc_opts, self.dtype, self.workers):
             self.bar.update(piece.n_bytes)
             yield piece, result
 
@@ -200,7 +214,7 @@ class _Assembler:
 
 
 def encode_inputs(
-    tokenizer: str | os.PathLike,
+    tokenizer: str | os.PathLike | Tokenizer,
     inputs: list[str | os.PathLike],
     output: str | os.PathLike,
     *,
@@ -232,21 +246,25 @@ def encode_inputs(
     # more processes than CPUs cannot encode faster (the output is the same for any count), and thousands of them
     # took longer to start than any input takes to encode
     workers = default_workers() if workers is None else min(workers, default_workers())
-    read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes)
-    sp = load_processor(tokenizer)
-    eos_id = sp.eos_id() if eos else None
-    if eos_id is not None and eos_id < 0:
-        raise TokenFileError(tokenizer, "tokenizer has no EOS piece: expected one for eos=True (or pass eos=False)")
+    tok = load_tokenizer(tokenizer)
+    # SentencePiece encodes line by line; a Hugging Face tokenizer sees whole documents (see tokbin.documents)
+    whole = tok.kind != "sentencepiece"
+    read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes, whole_documents=whole)
+    eos_id = tok.eos_id if eos else None
+    if eos and eos_id is None:
+        raise TokenFileError(
+            tok.path or tokenizer, "tokenizer has no EOS token: expected one for eos=True (or pass eos=False)"
+        )
     paths = expand_inputs(inputs, fmt)
     out = Path(output)
-    _check_output(out, paths, Path(tokenizer), sharded=shard_bytes is not None)
+    _check_output(out, paths, tok.path, sharded=shard_bytes is not None)
     field_name = jsonl_field or parquet_column
     doc_opts = DocOptions(fmt, split_docs, clean, errors, field_name, skip_bad_lines, eos_id, hash_split)
-    vocab, sha = sp.get_piece_size(), file_sha256(tokenizer)
+    vocab, sha = tok.vocab_size, tok.sha256
     dtype = dtype_for_vocab(vocab)
     total = None if any(compression(p) for p in paths) else sum(p.stat().st_size for p in paths)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
-    job = _Job(paths, read_opts, doc_opts, sp, workers, dtype, parquet_column, bar)
+    job = _Job(paths, read_opts, doc_opts, tok, workers, dtype, parquet_column, bar)
     try:
         if shard_bytes is None:
             asm = _Assembler(hash_split)
@@ -273,9 +291,9 @@ def encode_inputs(
         bar.close()
 
 
-def _check_output(out: Path, paths: list[Path], tokenizer: Path, *, sharded: bool) -> None:
+def _check_output(out: Path, paths: list[Path], tokenizer: Path | None, *, sharded: bool) -> None:
     target = out.resolve()
-    for p in [*paths, tokenizer]:
+    for p in [*paths, *([] if tokenizer is None else [tokenizer])]:
         src = p.resolve()
         if src == target or (sharded and src.is_relative_to(target)):
             what = "the tokenizer" if p == tokenizer else "an input"
@@ -291,7 +309,7 @@ def _encode_shards(out: Path, job: _Job, fingerprint: dict, header: dict) -> Enc
         raise TokenFileError(out, f"output directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
     with exclusive_lock(out / MANIFEST):
-        kept = _finished_shards(out, fingerprint)
+        kept = _finished_shards(out, fingerprint, header["tokenizer_sha256"])
         n_kept = len(kept)
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -318,7 +336,7 @@ def _encode_shards(out: Path, job: _Job, fingerprint: dict, header: dict) -> Enc
     )
 
 
-def _finished_shards(out: Path, fingerprint: dict) -> list[dict]:
+def _finished_shards(out: Path, fingerprint: dict, tokenizer_sha256: str) -> list[dict]:
     """The leading shards of an earlier run of the same encode whose data checksums still match."""
     from tokbin.shards import read_manifest
 
@@ -334,6 +352,12 @@ def _finished_shards(out: Path, fingerprint: dict) -> list[dict]:
             out,
             f"holds shards of another encode ({', '.join(differs)} differ): expected the same inputs and options "
             "to resume; remove the directory or choose another output",
+        )
+    if manifest.get("tokenizer_sha256") != tokenizer_sha256:
+        raise TokenFileError(
+            out,
+            f"holds shards encoded with tokenizer sha256 {manifest.get('tokenizer_sha256')}, not {tokenizer_sha256}: "
+            "expected the same tokenizer to resume; remove the directory or choose another output",
         )
     kept = []
     for entry in manifest["shards"]:
@@ -410,12 +434,18 @@ def _write_shards(out: Path, job: _Job, manifest: dict, start: Position) -> None
 
 
 def encode_files(
-    tokenizer: str | os.PathLike,
+    tokenizer: str | os.PathLike | Tokenizer,
     inputs: list[str | os.PathLike],
     output: str | os.PathLike,
     **options: Any,
 ) -> TokenFile | ShardedTokens:
-    """Encode inputs with a SentencePiece model into the token file (or shard directory) ``output`` and open it.
+    """Encode inputs with a tokenizer into the token file (or shard directory) ``output`` and open it.
+
+    ``tokenizer``: a SentencePiece ``.model``, a Hugging Face model directory (its tokenizer.json; the ``hf``
+    extra) or a :class:`tokbin.text_tokenizer.Tokenizer` (see ``load_tokenizer``). The header records its
+    ``sha256``, vocabulary size (uint32 ids above 65536) and EOS id. SentencePiece encodes line by line, as always;
+    a Hugging Face tokenizer encodes each document whole, so its ids equal ``tokenizers``' own encode of the
+    document (pieces then end only at document ends: a plain-text file without ``split_docs`` is read whole).
 
     ``inputs`` are files, directories (their files, recursively, sorted) or globs, read in that order and in pieces
     of ``piece_bytes`` (memory does not grow with the input). Formats: plain UTF-8 text (a document is a file, or

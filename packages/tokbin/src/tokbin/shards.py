@@ -24,6 +24,8 @@ from tokbin.writer import atomic_output
 if TYPE_CHECKING:
     import torch
 
+    from tokbin.text_tokenizer import Tokenizer
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "tokbin-shards"
 MANIFEST_VERSION = 1
@@ -238,11 +240,14 @@ class ShardedTokens:
                 rows[r] = self._span(int(starts[r]), length)
         return rows
 
-    def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
+    def verify(self, tokenizer: str | os.PathLike | Tokenizer | None = None, *, progress: bool = False) -> dict:
         """``TokenFile.verify`` for every shard (checksums, ids, document index, tokenizer identity)."""
+        from tokbin.text_tokenizer import load_tokenizer
+
+        tok = None if tokenizer is None else load_tokenizer(tokenizer)  # read once, not once per shard
         max_id = -1
         for tf in self.shards:
-            max_id = max(max_id, tf.verify(tokenizer, progress=progress)["max_id"])
+            max_id = max(max_id, tf.verify(tok, progress=progress)["max_id"])
         return {"path": str(self.path), "n_tokens": self.n_tokens, "max_id": max_id, "data_sha256": self.data_sha256}
 
 

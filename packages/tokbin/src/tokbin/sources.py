@@ -22,6 +22,7 @@ from tokbin.errors import TokenFileError
 FORMATS = ("text", "jsonl", "parquet")
 PIECE_BYTES = 1 << 20
 _COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_NEVER = re.compile(rb"(?!)")  # a pattern that matches nowhere
 _FORMAT_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet",)}
 
 
@@ -34,6 +35,7 @@ class ReadOptions:
     clean: bool = False
     piece_bytes: int = PIECE_BYTES
     shard_bytes: int | None = None
+    whole_documents: bool = False  # pieces end only at document ends (a Hugging Face tokenizer's unit)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -85,16 +87,20 @@ def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern[bytes], re.Pattern[bytes
     - ``clean``: a line end followed by an ASCII letter, which no cleaning rule (tags start with '<', citation marks
       with '[' and hold only digits, commas and dashes across lines, blank-line runs are newlines) reaches across;
     - JSONL: any line end, and every line end ends a document.
+
+    With ``whole_documents`` (a tokenizer whose ids depend on text across line ends) a piece ends only where a
+    document does: a plain-text file without ``split_docs`` is one piece, whatever its size.
     """
     if opts.fmt == "jsonl":
         line = re.compile(rb"\n")
         return line, line
+    nxt = rb"[A-Za-z]" if opts.clean else rb"[!-~]"
+    doc = re.compile(rb"\n[ \t\r]*\n(?=" + nxt + rb")") if opts.split_docs else None
+    if opts.whole_documents:
+        return doc or _NEVER, doc
     if not (opts.clean or opts.split_docs):
         return re.compile(rb"\n"), None
-    nxt = rb"[A-Za-z]" if opts.clean else rb"[!-~]"
-    piece = re.compile(rb"\n(?=" + nxt + rb")")
-    doc = re.compile(rb"\n[ \t\r]*\n(?=" + nxt + rb")") if opts.split_docs else None
-    return piece, doc
+    return re.compile(rb"\n(?=" + nxt + rb")"), doc
 
 
 def expand_inputs(inputs: list[str | os.PathLike], fmt: str = "text") -> list[Path]:
@@ -235,7 +241,7 @@ def read_pieces(
 def _line_pieces(i: int, path: Path, opts: ReadOptions, offset: int, line: int, shard_used: int) -> Iterator[Piece]:
     piece_cut, doc_cut = cut_patterns(opts)
     with open_input(path, offset) as f:
-        buf = read_full(f, opts.piece_bytes)
+        buf = bytearray(read_full(f, opts.piece_bytes))  # grows in place while a piece waits for its cut
         eof = len(buf) < opts.piece_bytes
         if not buf and offset == 0:
             raise TokenFileError(path, "empty input: expected text, found 0 bytes")

@@ -25,6 +25,8 @@ from tokbin.fileformat import (
 if TYPE_CHECKING:
     import torch
 
+    from tokbin.text_tokenizer import Tokenizer
+
 BLOCK_TOKENS = 1 << 17
 _VERIFY_CHUNK = 1 << 24  # tokens per verify step: large enough to amortise, small enough to bound memory
 
@@ -249,12 +251,12 @@ class TokenFile:
             )
         return self._windows(length)[starts]
 
-    def verify(self, tokenizer: str | os.PathLike | None = None, *, progress: bool = False) -> dict:
+    def verify(self, tokenizer: str | os.PathLike | Tokenizer | None = None, *, progress: bool = False) -> dict:
         """Check the data checksum, document index, every id < vocab_size and (optionally) the tokenizer identity.
 
         Raises TokenFileError on the first problem; returns a summary dict when all checks pass.
 
-        Example: ``TokenFile("train.bin").verify("spm.model")``
+        Example: ``TokenFile("train.bin").verify("spm.model")`` (or a Hugging Face model directory, a ``Tokenizer``)
         """
         h = self.header
         digest = new_data_hash()
@@ -281,20 +283,21 @@ class TokenFile:
         if h.eos_id is not None and h.eos_id >= h.vocab_size:
             raise TokenFileError(self.path, f"eos_id {h.eos_id} is not below vocab_size {h.vocab_size}")
         if tokenizer is not None:
-            self._check_tokenizer(Path(tokenizer))
+            self._check_tokenizer(tokenizer)
         return {"path": str(self.path), "n_tokens": h.n_tokens, "max_id": max_id, "data_sha256": h.data_sha256}
 
-    def _check_tokenizer(self, tokenizer: Path) -> None:
-        from tokbin.tokenizer import file_sha256, load_processor
+    def _check_tokenizer(self, tokenizer: str | os.PathLike | Tokenizer) -> None:
+        from tokbin.text_tokenizer import load_tokenizer
 
         if self.tokenizer_sha256 is None:
             raise TokenFileError(self.path, f"no tokenizer recorded: expected one to compare with {tokenizer}")
-        found = file_sha256(tokenizer)
+        tok = load_tokenizer(tokenizer)
+        found = tok.sha256
         if found != self.tokenizer_sha256:
             raise TokenFileError(
                 self.path,
                 f"tokenizer mismatch: file was encoded with sha256 {self.tokenizer_sha256}, {tokenizer} has {found}",
             )
-        vocab = load_processor(tokenizer).get_piece_size()
+        vocab = tok.vocab_size
         if vocab != self.vocab_size:
             raise TokenFileError(self.path, f"vocab_size mismatch: header {self.vocab_size}, {tokenizer} has {vocab}")
