@@ -46,7 +46,8 @@ from check_install_docs import install_lines, pyproject, siblings  # noqa: E402
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
 TEST_EXTRAS = {
-    "tokbin": ["parquet"],  # Parquet and zstd input are read through pyarrow; without it those tests skip
+    # parquet: Parquet and zstd input are read through pyarrow; hf: tokenizer.json through `tokenizers`
+    "tokbin": ["parquet", "hf"],
     "gpumon": ["plot"],
     "lmcore": ["hf", "gguf", "qlora"],  # the Hugging Face, GGUF and QLoRA tests skip without their libraries
     "trainloop": ["deepspeed", "plot", "tensorboard"],
@@ -93,6 +94,9 @@ TEST_ENV = {
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
 }
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "packaging>=23"]
+# What a package's tests compare against, never a dependency of the package: tokbin's chat templates and tokenizer
+# files are checked against transformers' own apply_chat_template and AutoTokenizer.
+TEST_REFERENCES = {"tokbin": ["transformers>=5.24,<6"]}
 
 
 def _path(pkg: str, extras: list[str] | None = None) -> str:
@@ -262,7 +266,7 @@ def package(session: nox.Session, dist: str) -> None:
     # A reused venv already holds this version: reinstall so that it gets today's code.
     session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
     _documented_install(session, PACKAGES_DIR / dist / "README.md")
-    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS)
+    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS, *TEST_REFERENCES.get(dist, []))
     session.chdir(PACKAGES_DIR / dist)
     _pytest(session, "tests")
     _doctests(session, dist)
