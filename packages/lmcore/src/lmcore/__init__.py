@@ -6,6 +6,7 @@ from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
 from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
 from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
+from lmcore.hf_export import save_hf, save_peft_adapter
 from lmcore.hf_import import from_hf
 from lmcore.hf_llama import HFImportError, HFSource
 from lmcore.init_schemes import (
@@ -62,7 +63,9 @@ __all__ = [
     "merge_lora",
     "n_params",
     "route_cpu_matmuls",
+    "save_hf",
     "save_lora",
+    "save_peft_adapter",
     "lora_state",
     "time_step",
 ]
