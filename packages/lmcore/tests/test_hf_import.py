@@ -9,7 +9,7 @@ import torch
 from hf_checkpoints import ARCHITECTURES, as_transformers4, random_hf, rewrite_config, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from lmcore import GPT, HFImportError, HFSource, KVCache, from_hf, generate
+from lmcore import GPT, HFImportError, HFSource, KVCache, estimate_memory, from_hf, generate, n_params
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers, peft) is not installed")
 
@@ -49,6 +49,9 @@ def test_logits_equal_transformers_for_each_architecture(tmp_path, architecture)
     assert model.hf_source.config == json.loads((tmp_path / "config.json").read_text())
     assert model.config.position == "rope" and model.config.qkv_bias == (architecture == "Qwen2ForCausalLM")
     assert not model.training and next(model.parameters()).dtype == torch.float32
+    # The closed-form count (and the memory estimates built on it) equals both models' count.
+    assert n_params(model.config) == sum(p.numel() for p in model.parameters()) == hf.num_parameters()
+    assert estimate_memory(model.config, 1, 64, "bf16").n_params == n_params(model.config)
     logits_equal(model, hf)
 
 

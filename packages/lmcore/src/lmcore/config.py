@@ -251,7 +251,8 @@ def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     are counted too (a negligible share). 6*N is 2 FLOPs per weight forward and 4 backward; 12*L*H*Q*T is
     attention's scores and weighted sum (2 * 2*H*Q*T per layer forward, times 3 for training) over all T keys,
     as PaLM counts it (no halving for the causal mask), for the H query heads of dim Q (grouped-query attention
-    shares keys and values, not this work).
+    shares keys and values, not this work). Rotary positions add no parameters and their rotation of q and k
+    (a few elementwise FLOPs per element) is left out, as PaLM leaves out norms and softmax.
 
     Example:
         >>> flops_per_token(ModelConfig.from_preset("tiny"))  # 6 * 106,304 + 12 * 2 * 4 * 16 * 32
