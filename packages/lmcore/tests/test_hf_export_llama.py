@@ -127,3 +127,19 @@ def test_peft_adapter_on_the_original_base_equals_the_merged_export(tmp_path, ar
     torch.testing.assert_close(logits(with_adapter, x), merged, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged, ours, rtol=1e-5, atol=1e-5)
     assert (merged - logits(load(tmp_path / "base"), x)).abs().max() > 1e-3  # the adapters change the model
+
+
+def test_exporting_into_the_directory_it_came_from_replaces_the_files(tmp_path):
+    """The imported parameters share the old file's pages: the export must leave that file's inode alone (safetensors
+    itself writes a new file; save_hf renames its own temporary files too)."""
+    hf = write_checkpoint(tmp_path, "LlamaForCausalLM")
+    model = from_hf(tmp_path)
+    inode = (tmp_path / "model.safetensors").stat().st_ino
+    other = from_hf(tmp_path)
+    with torch.no_grad():
+        other.layers[0].mlp.up_proj.weight.mul_(3)  # a different model written over the same directory
+    save_hf(other, tmp_path)
+    assert (tmp_path / "model.safetensors").stat().st_ino != inode
+    torch.testing.assert_close(logits(model, ids()), logits(hf, ids()), rtol=1e-5, atol=1e-5)  # still the original
+    assert (logits(from_hf(tmp_path), ids()) - logits(hf, ids())).abs().max() > 1e-3  # the new file is the other one
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left

@@ -9,6 +9,9 @@ sliding-window settings that never applied) come back as they were; a model with
 `adapter_config.json` and `adapter_model.safetensors` in PEFT's layout (module names
 `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight`), which `peft.PeftModel.from_pretrained(base, dir)`
 loads onto the base directory. Both need only safetensors; transformers and peft read the result.
+
+Files are written beside their final name and renamed into place: a model that `from_hf` read from the same
+directory shares the old file's pages (see `lmcore.hf_import`) and keeps them, since the old file lives on.
 """
 
 from __future__ import annotations
@@ -34,6 +37,26 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEPT_FROM_SOURCE = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "attention_dropout",
                     "use_cache")  # fmt: skip
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+
+
+def _write_file(path: Path, write: Any) -> None:
+    """Call `write(temporary_path)`, then rename the result to `path` (the old file, if any, lives on for readers
+    that map it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    _write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+
+def _save_json(values: dict[str, Any], path: Path) -> None:
+    text = json.dumps(values, indent=2, sort_keys=True) + "\n"
+    _write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def default_architecture(model: GPT) -> str:
@@ -105,8 +128,8 @@ def save_hf(
     tensors = {hf_name(k): v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _save_tensors(tensors, directory / "model.safetensors")
+    _save_json(config, directory / "config.json")
     return directory
 
 
@@ -168,7 +191,6 @@ def save_peft_adapter(
         peft_tensors[f"base_model.model.{hf_module}.{part}.weight"] = tensor.detach().to("cpu").contiguous()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(peft_tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = peft_adapter_config(model, base_model_name_or_path)
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _save_tensors(peft_tensors, directory / ADAPTER_WEIGHTS)
+    _save_json(peft_adapter_config(model, base_model_name_or_path), directory / ADAPTER_CONFIG)
     return directory

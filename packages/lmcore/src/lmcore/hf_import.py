@@ -2,10 +2,13 @@
 
 The model is built on the meta device (no memory, no initialisation) and each tensor of the safetensors file(s)
 is read once, converted to the target dtype and assigned in place of its meta parameter: the peak is about one
-copy of the weights plus one tensor in flight (`tools/smollm2_base.py` measures it). Weights are read from
-safetensors only (`model.safetensors`, or the shards a `model.safetensors.index.json` names); nothing is ever
-unpickled. Every bad input is an `HFImportError`, one line naming the file and field, what was expected and found,
-and the fix.
+copy of the weights plus one tensor in flight (`tools/smollm2_base.py` measures it). A tensor read on the CPU in
+its stored dtype is not copied at all: safetensors maps the file privately, so the parameter shares the file's
+pages and a write to it (training) copies the page it touches, never the file. Replace such a file (write a new one
+and rename it, as `lmcore.save_hf` does) rather than rewriting it in place while the model is alive. Weights are
+read from safetensors only (`model.safetensors`, or the shards a `model.safetensors.index.json` names); nothing is
+ever unpickled. Every bad input is an `HFImportError`, one line naming the file and field, what was expected and
+found, and the fix.
 """
 
 from __future__ import annotations
