@@ -66,6 +66,11 @@ def test_mismatches_name_every_field_that_does_not_map():
     assert mpt_mismatches(ModelConfig.from_preset("tiny", bias=False, norm="rmsnorm")) == [
         "norm='rmsnorm' (MPT: layernorm)"
     ]
+    # A rotary model would run as ALiBi in MPT: refused (it exports with lmcore.save_hf as Llama or Qwen2).
+    assert mpt_mismatches(ModelConfig.from_preset("tiny", bias=False, position="rope", qkv_bias=True)) == [
+        "position='rope' (MPT: ALiBi)",
+        "qkv_bias=True (MPT: no biases)",
+    ]
     from lmcore.hf_mpt import to_mpt
 
     with pytest.raises(ValueError, match=r"does not map onto transformers' MPT: bias=True"):

@@ -75,6 +75,7 @@ def gguf_mismatches(config: ModelConfig) -> list[str]:
         ["activation='swiglu' (GGUF MPT: gelu)"]
     """
     wanted = [
+        ("position", "alibi", "ALiBi"),
         ("norm", "layernorm", "layernorm"),
         ("activation", "gelu", "gelu"),
         ("learnable_slopes", False, "fixed slopes"),
