@@ -26,7 +26,7 @@ from lmcore.config import ModelConfig
 
 
 def _default_inv_freq(base: float | Tensor, dim: int, device: torch.device | None) -> Tensor:
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim  # (D/2,)
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # (D/2,)
     return 1.0 / (base**exponent)
 
 
