@@ -44,6 +44,7 @@ def fresh_dynamo():
         (dict(dropout=0.1), True),
         (dict(n_kv_head=2, activation="swiglu", norm="rmsnorm", bias=False), True),
         (dict(), False),
+        (dict(position="rope", rope_scaling="llama3", rope_factor=8.0, qkv_bias=True, bias=False), True),  # Qwen2-like
     ],
 )
 def test_dynamo_sees_one_graph_and_no_break(overrides, train):

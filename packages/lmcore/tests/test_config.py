@@ -6,7 +6,7 @@ import torch
 
 from alibi_kernels import BACKENDS
 from lmcore import GPT, PRESETS, ModelConfig, n_params
-from lmcore.config import ACTIVATIONS, ATTENTION_BACKENDS, CHECKPOINTING, INIT_SCHEMES, NORMS
+from lmcore.config import ACTIVATIONS, ATTENTION_BACKENDS, CHECKPOINTING, INIT_SCHEMES, NORMS, POSITIONS, ROPE_SCALINGS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -28,6 +28,20 @@ def test_every_preset_built_on_meta_device_has_the_closed_form_count(name):
         dict(n_kv_head=1),
         dict(learnable_slopes=True),
         dict(bias=False, norm="rmsnorm", activation="swiglu", n_kv_head=2, tie_embeddings=False, d_ff=100),
+        dict(position="rope"),
+        dict(position="rope", bias=False, qkv_bias=True),  # Qwen2: biases on q, k, v only
+        dict(position="rope", bias=True, qkv_bias=True),  # qkv_bias adds nothing where every layer has one
+        dict(
+            position="rope",
+            rope_scaling="llama3",
+            rope_factor=8.0,
+            bias=False,
+            qkv_bias=True,
+            n_kv_head=2,
+            norm="rmsnorm",
+            activation="swiglu",
+            tie_embeddings=False,
+        ),
     ],
 )
 def test_closed_form_count_follows_every_architecture_switch(overrides):
@@ -90,6 +104,8 @@ LITERAL_FIELDS = {
     "init": INIT_SCHEMES,
     "checkpointing": CHECKPOINTING,
     "attention_backend": ATTENTION_BACKENDS,
+    "position": POSITIONS,
+    "rope_scaling": ROPE_SCALINGS,
 }
 
 
@@ -103,7 +119,8 @@ def test_literal_field_types_name_the_values_post_init_accepts():
 
 @pytest.mark.parametrize("field, value", [(f, v) for f, values in LITERAL_FIELDS.items() for v in values])
 def test_every_name_of_a_literal_field_is_accepted(field, value):
-    assert getattr(ModelConfig.from_preset("tiny", **{field: value}), field) == value
+    rope = {"position": "rope"} if field == "rope_scaling" else {}  # a rotary scaling needs rotary positions
+    assert getattr(ModelConfig.from_preset("tiny", **rope, **{field: value}), field) == value
 
 
 def test_unknown_preset_and_unknown_field_are_errors():

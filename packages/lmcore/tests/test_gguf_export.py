@@ -119,6 +119,8 @@ def test_tensors_read_back_with_llama_cpp_names_shapes_and_values(tmp_path, over
 def test_models_llama_cpp_cannot_run_are_refused_naming_the_setting(tmp_path):
     config = ModelConfig.from_preset("tiny", activation="swiglu", d_ff=None, norm="rmsnorm")
     assert gguf_mismatches(config) == ["norm='rmsnorm' (GGUF MPT: layernorm)", "activation='swiglu' (GGUF MPT: gelu)"]
+    rope = ModelConfig.from_preset("tiny", position="rope")  # lmcore.gguf_llama writes rotary models
+    assert gguf_mismatches(rope) == ["position='rope' (GGUF MPT: ALiBi)"]
     with pytest.raises(ValueError, match="activation='swiglu'"):
         write_gguf(GPT(config), tmp_path / "m.gguf", vocab(config.vocab_size), context_length=32)
     with pytest.raises(ValueError, match="vocab_size is 97"):

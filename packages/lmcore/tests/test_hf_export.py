@@ -113,6 +113,11 @@ def test_mismatches_name_every_field_that_does_not_map():
     assert mpt_mismatches(ModelConfig.from_preset("tiny", bias=False, norm="rmsnorm")) == [
         "norm='rmsnorm' (MPT: layernorm)"
     ]
+    # A rotary model would run as ALiBi in MPT: refused (it exports with lmcore.save_hf as Llama or Qwen2).
+    assert mpt_mismatches(ModelConfig.from_preset("tiny", bias=False, position="rope", qkv_bias=True)) == [
+        "position='rope' (MPT: ALiBi)",
+        "qkv_bias=True (MPT: no biases)",
+    ]
     from lmcore.hf_mpt import to_mpt
 
     with pytest.raises(ValueError, match=r"does not map onto transformers' MPT: bias=True"):
@@ -125,6 +130,14 @@ def test_mismatches_name_every_field_that_does_not_map():
         dict(bias=True),  # the default config
         dict(activation="swiglu", n_kv_head=2, tie_embeddings=False, norm="rmsnorm"),
         dict(learnable_slopes=True, document_separator=5),
+        dict(
+            position="rope",
+            qkv_bias=True,
+            rope_scaling="llama3",
+            rope_factor=4.0,
+            rope_original_context=16,
+            document_separator=5,
+        ),  # fmt: skip
     ],
 )
 def test_custom_code_export_loads_with_trust_remote_code_and_gives_our_logits(tmp_path, overrides):

@@ -160,6 +160,7 @@ def test_the_recorder_sees_the_id_check_on_cpu(monkeypatch, device_attention):
         dict(checkpointing="attention", dropout=0.1),
         dict(checkpointing="block", dropout=0.1),
         dict(n_kv_head=2, activation="swiglu", norm="rmsnorm", learnable_slopes=True, bias=False),
+        dict(position="rope", n_kv_head=2, activation="swiglu", norm="rmsnorm", bias=False, qkv_bias=True),
     ],
 )
 def test_a_training_step_makes_no_host_read_on_cuda(monkeypatch, cuda_branch, overrides):
@@ -172,8 +173,9 @@ def test_a_training_step_makes_no_host_read_on_cuda(monkeypatch, cuda_branch, ov
     assert model.embed_tokens.weight.grad.abs().sum() > 0
 
 
-def test_cached_decoding_makes_no_host_read_on_cuda(monkeypatch, cuda_branch):
-    model = tiny().eval()
+@pytest.mark.parametrize("overrides", [dict(), dict(position="rope", rope_scaling="dynamic", rope_factor=2.0)])
+def test_cached_decoding_makes_no_host_read_on_cuda(monkeypatch, cuda_branch, overrides):
+    model = tiny(**overrides).eval()
     cache = KVCache(model.config.n_layer)
     with host_reads(monkeypatch) as reads, torch.no_grad():
         model(IDS, kv_cache=cache)

@@ -1,11 +1,14 @@
-"""A decoder-only language model with ALiBi: configs, presets, init schemes, LoRA, generation, memory estimates,
-and the CPU settings of a fast training step."""
+"""A decoder-only language model with ALiBi or rotary positions: configs, presets, init schemes, LoRA, generation,
+memory estimates, the CPU settings of a fast training step, and Llama-family Hugging Face checkpoints in and out."""
 
 from lmcore.compiled import compile_model
 from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
 from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
 from lmcore.documents import Documents, document_boundaries
 from lmcore.generation import generate
+from lmcore.hf_export import save_hf, save_peft_adapter
+from lmcore.hf_import import from_hf
+from lmcore.hf_llama import HFImportError, HFSource
 from lmcore.init_schemes import (
     INIT_FUNCTIONS,
     InitReport,
@@ -24,6 +27,8 @@ from lmcore.version import __version__
 
 __all__ = [
     "GPT",
+    "HFImportError",
+    "HFSource",
     "INIT_FUNCTIONS",
     "PRESETS",
     "StepTiming",
@@ -46,6 +51,7 @@ __all__ = [
     "estimate_fsdp_memory",
     "estimate_memory",
     "flops_per_token",
+    "from_hf",
     "generate",
     "init_gpt2",
     "init_kaiming",
@@ -57,7 +63,9 @@ __all__ = [
     "merge_lora",
     "n_params",
     "route_cpu_matmuls",
+    "save_hf",
     "save_lora",
+    "save_peft_adapter",
     "lora_state",
     "time_step",
 ]

@@ -15,12 +15,17 @@ InitScheme = Literal["gpt2", "kaiming", "xavier", "small"]
 Checkpointing = Literal["off", "attention", "block"]
 # alibi_kernels.BACKENDS as a type; tests/test_config.py checks that the two name the same backends.
 AttentionBackend = Literal["auto", "triton", "torch"]
+Position = Literal["alibi", "rope"]
+# Hugging Face's rope_type names for the rotary scalings lmcore computes ("none": transformers' "default").
+RopeScaling = Literal["none", "linear", "dynamic", "llama3"]
 
 NORMS: tuple[Norm, ...] = get_args(Norm)
 ACTIVATIONS: tuple[Activation, ...] = get_args(Activation)
 INIT_SCHEMES: tuple[InitScheme, ...] = get_args(InitScheme)
 CHECKPOINTING: tuple[Checkpointing, ...] = get_args(Checkpointing)
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = get_args(AttentionBackend)
+POSITIONS: tuple[Position, ...] = get_args(Position)
+ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
 # Each Literal field with the names it accepts, in the order __post_init__ checks them.
 _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ACTIVATIONS,
@@ -28,6 +33,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "init": INIT_SCHEMES,
     "checkpointing": CHECKPOINTING,
     "attention_backend": ATTENTION_BACKENDS,
+    "position": POSITIONS,
+    "rope_scaling": ROPE_SCALINGS,
 }
 # alibi_kernels.alibi_attention accepts head dims in this range (its Triton tiles need D >= 16).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -35,7 +42,8 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 @dataclass
 class ModelConfig:
-    """Every size and switch of the decoder-only ALiBi transformer, flat and validated.
+    """Every size and switch of the decoder-only transformer, flat and validated: ALiBi (the default) or the
+    Llama family's rotary positions in one model.
 
     `n_kv_head=None` means one key/value head per query head (plain multi-head attention);
     fewer KV heads is grouped-query attention. `d_ff=None` picks 4 * d_model for gelu and
@@ -49,6 +57,14 @@ class ModelConfig:
     at 0 in the next document, and no query attends to an earlier document. Decoding with a
     KV cache (`generate`) stays plain causal attention over everything cached: a separator
     inside a prompt or a generated one does not start a new document there.
+
+    `position="rope"` replaces ALiBi by rotary position embeddings as transformers' Llama computes them
+    (rotate_half layout, base `rope_theta`), on the same attention kernels with every slope 0. `rope_scaling`
+    is Hugging Face's `rope_type`: "none" (their "default"), "linear" (frequencies / `rope_factor`), "dynamic"
+    (NTK: the base grows with the sequence length past `rope_original_context`) or "llama3" (Llama 3.1's
+    smoothed per-frequency factors, with `rope_low_freq_factor`, `rope_high_freq_factor` and
+    `rope_original_context`, their original_max_position_embeddings). `rope_original_context=None` means
+    `context_length`. `qkv_bias` puts a bias on q, k and v alone (Qwen2) whatever `bias` says.
 
     Example:
         >>> cfg = ModelConfig.from_preset("tiny", n_kv_head=2)
@@ -74,6 +90,14 @@ class ModelConfig:
     checkpointing: Checkpointing = "off"
     attention_backend: AttentionBackend = "auto"
     document_separator: int | None = None
+    position: Position = "alibi"
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "context_length"):
@@ -109,7 +133,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        for name in ("bias", "tie_embeddings", "learnable_slopes"):
+        for name in ("bias", "tie_embeddings", "learnable_slopes", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
         sep = self.document_separator
@@ -117,6 +141,29 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.document_separator must be None or a token id in [0, vocab_size={self.vocab_size}), "
                 f"got {sep!r}"
+            )
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        original = self.rope_original_context
+        if original is not None and (not isinstance(original, int) or isinstance(original, bool) or original < 1):
+            raise ValueError(f"ModelConfig.rope_original_context must be a positive int or None, got {original!r}")
+        if self.position == "alibi" and self.rope_scaling != "none":
+            raise ValueError(
+                f"ModelConfig.rope_scaling={self.rope_scaling!r} needs position='rope' (ALiBi has no rotary scaling)"
+            )
+        if self.position == "rope" and self.learnable_slopes:
+            raise ValueError("ModelConfig.learnable_slopes=True needs position='alibi' (RoPE has no slopes)")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"ModelConfig.d_model / n_head = {self.head_dim} must be even for position='rope'")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"ModelConfig.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} for rope_scaling='llama3'"
             )
 
     @property
@@ -178,9 +225,10 @@ def n_params(config: ModelConfig, *, non_embedding: bool = False) -> int:
     """
     assert config.n_kv_head is not None and config.d_ff is not None  # __post_init__ replaces None by the default
     d, ff, v, b = config.d_model, config.d_ff, config.vocab_size, int(config.bias)
+    qkv_b = int(config.bias or config.qkv_bias)
     kv = config.n_kv_head * config.head_dim
     norm = d * (2 if config.norm == "layernorm" and config.bias else 1)
-    attention = d * d + 2 * d * kv + d * d + b * (d + 2 * kv + d)  # q, k, v, o
+    attention = d * d + 2 * d * kv + d * d + qkv_b * (d + 2 * kv) + b * d  # q, k, v, o (RoPE has no parameters)
     n_in = 1 if config.activation == "gelu" else 2  # up (+ gate for swiglu)
     mlp = (n_in + 1) * d * ff + b * (n_in * ff + d)  # in projections + down
     slopes = config.n_head if config.learnable_slopes else 0
@@ -203,7 +251,8 @@ def flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     are counted too (a negligible share). 6*N is 2 FLOPs per weight forward and 4 backward; 12*L*H*Q*T is
     attention's scores and weighted sum (2 * 2*H*Q*T per layer forward, times 3 for training) over all T keys,
     as PaLM counts it (no halving for the causal mask), for the H query heads of dim Q (grouped-query attention
-    shares keys and values, not this work).
+    shares keys and values, not this work). Rotary positions add no parameters and their rotation of q and k
+    (a few elementwise FLOPs per element) is left out, as PaLM leaves out norms and softmax.
 
     Example:
         >>> flops_per_token(ModelConfig.from_preset("tiny"))  # 6 * 106,304 + 12 * 2 * 4 * 16 * 32

@@ -43,8 +43,10 @@ BLOCK_TENSORS = {
 
 @dataclass(frozen=True)
 class GGUFVocab:
-    """A SentencePiece-style vocabulary as llama.cpp's "llama" tokenizer reads it: `tokens[i]` is piece i's text
-    (U+2581 for a space), `scores[i]` its score, `types[i]` its kind (1 normal, 2 unknown, 3 control,
+    """A vocabulary as llama.cpp's tokenizers read it. `model="llama"` (the default) is SentencePiece-style:
+    `tokens[i]` is piece i's text (U+2581 for a space), `scores[i]` its score; `model="gpt2"` is a byte-level BPE
+    (Hugging Face tokenizer.json's vocabulary and `merges`, "a b" each; `pre` names llama.cpp's pre-tokenizer,
+    e.g. "qwen2" or "smollm"; `scores` may be empty). `types[i]` is the token's kind (1 normal, 2 unknown, 3 control,
     4 user-defined, 6 byte); `bos_id` is the token put in front of every text when `add_bos` is set."""
 
     tokens: list[str]
@@ -57,6 +59,9 @@ class GGUFVocab:
     add_bos: bool = True
     add_space_prefix: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    model: str = "llama"
+    pre: str = "default"
+    merges: list[str] = field(default_factory=list)
 
 
 def gguf_mismatches(config: ModelConfig) -> list[str]:
@@ -70,6 +75,7 @@ def gguf_mismatches(config: ModelConfig) -> list[str]:
         ["activation='swiglu' (GGUF MPT: gelu)"]
     """
     wanted = [
+        ("position", "alibi", "ALiBi"),
         ("norm", "layernorm", "layernorm"),
         ("activation", "gelu", "gelu"),
         ("learnable_slopes", False, "fixed slopes"),
@@ -139,19 +145,13 @@ def write_gguf(
         ([64, 97], 2)
     """
     gguf = import_extra("gguf", "gguf", "the GGUF export")
-    import numpy as np
-
     config = model.config
     bad = gguf_mismatches(config)
     if bad:
         raise ValueError(f"the model does not map onto llama.cpp's MPT: {', '.join(bad)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if len(vocab.tokens) != config.vocab_size or not len(vocab.scores) == len(vocab.types) == len(vocab.tokens):
-        raise ValueError(
-            f"the vocabulary has {len(vocab.tokens)} tokens, {len(vocab.scores)} scores and {len(vocab.types)} "
-            f"types; the model's vocab_size is {config.vocab_size}"
-        )
+    check_vocab(vocab, config.vocab_size)
     writer = gguf.GGUFWriter(path, ARCH)
     if name:
         writer.add_name(name)
@@ -166,11 +166,32 @@ def write_gguf(
     writer.add_layer_norm_eps(config.norm_eps)
     writer.add_max_alibi_bias(ALIBI_BIAS_MAX)
 
-    writer.add_tokenizer_model("llama")  # SentencePiece pieces and scores
-    writer.add_tokenizer_pre("default")
+    add_vocab(writer, vocab)
+    write_tensors(writer, gguf_tensors(model), dtype)
+
+
+def check_vocab(vocab: GGUFVocab, vocab_size: int) -> None:
+    """ValueError unless `vocab` has one token, type (and score, for SentencePiece) per row of the embedding."""
+    scores_ok = len(vocab.scores) == len(vocab.tokens) or (vocab.model == "gpt2" and not vocab.scores)
+    if len(vocab.tokens) != vocab_size or len(vocab.types) != len(vocab.tokens) or not scores_ok:
+        raise ValueError(
+            f"the vocabulary has {len(vocab.tokens)} tokens, {len(vocab.scores)} scores and {len(vocab.types)} "
+            f"types; the model's vocab_size is {vocab_size}"
+        )
+    if vocab.model not in ("llama", "gpt2"):
+        raise ValueError(f"GGUFVocab.model {vocab.model!r}: expected 'llama' (SentencePiece) or 'gpt2' (BPE)")
+
+
+def add_vocab(writer: Any, vocab: GGUFVocab) -> None:
+    """The tokenizer keys of `vocab` (see GGUFVocab) on a gguf.GGUFWriter."""
+    writer.add_tokenizer_model(vocab.model)
+    writer.add_tokenizer_pre(vocab.pre)
     writer.add_token_list(vocab.tokens)
-    writer.add_token_scores(vocab.scores)
+    if vocab.scores:
+        writer.add_token_scores(vocab.scores)
     writer.add_token_types(vocab.types)
+    if vocab.merges:
+        writer.add_token_merges(vocab.merges)
     writer.add_eos_token_id(vocab.eos_id)
     for add, value in ((writer.add_bos_token_id, vocab.bos_id), (writer.add_unk_token_id, vocab.unk_id),
                        (writer.add_pad_token_id, vocab.pad_id)):  # fmt: skip
@@ -182,7 +203,13 @@ def write_gguf(
     for key, value in vocab.extra.items():
         writer.add_string(key, value)
 
-    for tensor_name, tensor in gguf_tensors(model).items():
+
+def write_tensors(writer: Any, tensors: dict[str, torch.Tensor], dtype: str) -> None:
+    """Add `tensors` (float32, numpy's (out, in) order) in `dtype` ("f16": 2-D weights only, as llama.cpp's own
+    converter stores them; norms and biases stay float32) and write the header, keys and tensors; closes `writer`."""
+    import numpy as np
+
+    for tensor_name, tensor in tensors.items():
         array = tensor.numpy()
         if dtype == "f16" and array.ndim == 2:
             array = array.astype(np.float16)

@@ -36,6 +36,7 @@ SOURCE_FILES = {
     "lmcore.init_schemes": "lmcore_init_schemes",
     "lmcore.lora": "lmcore_lora",
     "lmcore.pretrained": "lmcore_pretrained",
+    "lmcore.rope": "lmcore_rope",
     "lmcore.model": "lmcore_model",
 }
 # `import alibi_kernels` in the copies resolves to this: the torch path of `alibi_attention` and
@@ -106,11 +107,10 @@ class LmcoreForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        # Weights come from the checkpoint; the fixed ALiBi slopes are a buffer that no checkpoint carries.
+        # Weights come from the checkpoint; the fixed slopes (ALiBi's, or zeros with RoPE) are a buffer that no
+        # checkpoint carries.
         if hasattr(module, "slopes") and not hasattr(module, "log_slopes"):
-            from .alibi_kernels_slopes import alibi_slopes
-
-            module.slopes = alibi_slopes(module.n_head).to(module.slopes.device)
+            module.slopes = module.fixed_slopes().to(module.slopes.device)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

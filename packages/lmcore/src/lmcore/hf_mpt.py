@@ -51,7 +51,9 @@ def mpt_mismatches(config: ModelConfig) -> list[str]:
         ['bias=True (MPT: no biases)']
     """
     wanted = [
+        ("position", "alibi", "ALiBi"),
         ("bias", False, "no biases"),
+        ("qkv_bias", False, "no biases"),
         ("norm", "layernorm", "layernorm"),
         ("activation", "gelu", "exact gelu"),
         ("d_ff", 4 * config.d_model, f"4 * d_model = {4 * config.d_model}"),

@@ -1,4 +1,8 @@
-"""The decoder-only transformer: ALiBi attention (no position embedding), pre-norm blocks, optional GQA.
+"""The decoder-only transformer: ALiBi attention or rotary positions (the Llama family), pre-norm blocks, GQA.
+
+One model with switches (`ModelConfig`): ALiBi (no position embedding) by default; `position="rope"` rotates
+queries and keys as transformers' Llama does (lmcore.rope) and runs the same attention kernels with every slope 0,
+which is plain causal attention, so the fused Triton path and the packed-document path serve both.
 
 Parameter names follow the Llama/HF layout (`layers.3.self_attn.o_proj.weight`), so per-group clipping
 patterns written for that layout (`layers.*.self_attn.o_proj`) apply unchanged.
@@ -19,6 +23,10 @@ from lmcore.config import ModelConfig
 from lmcore.config import flops_per_token as config_flops_per_token
 from lmcore.documents import Documents, document_boundaries
 from lmcore.init_schemes import initialize
+from lmcore.rope import apply_rope, positions_in_documents, rotary_cos_sin
+
+# cos and sin of each token's rotary angle, (B or 1, T, head_dim) or (B * T, head_dim) for packed documents.
+Rotary = tuple[Tensor, Tensor]
 
 
 def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
@@ -114,7 +122,8 @@ def make_norm(config: ModelConfig) -> RMSNorm | nn.LayerNorm:
 
 
 class Attention(nn.Module):
-    # One of the two exists: the learnable log-slopes (a parameter) or the fixed slopes (a buffer).
+    # One of the two exists: the learnable log-slopes (a parameter) or the fixed slopes (a buffer: ALiBi's, or all
+    # zeros with RoPE).
     log_slopes: nn.Parameter
     slopes: Tensor
 
@@ -125,13 +134,15 @@ class Attention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.backend = config.attention_backend
         self.checkpoint_core = config.checkpointing == "attention"
+        self.rope = config.position == "rope"
         kv_dim = self.n_kv_head * self.head_dim
-        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
-        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
+        qkv_bias = config.bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.d_model, config.d_model, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        slopes = alibi_slopes(self.n_head).float()  # (H,)
+        slopes = self.fixed_slopes()  # (H,)
         if config.learnable_slopes:
             # Log-parameterised so a slope stays positive (a negative one would favour distant tokens).
             self.log_slopes = nn.Parameter(slopes.log())
@@ -139,14 +150,19 @@ class Attention(nn.Module):
             # Not persistent: derived from n_head, so checkpoints do not carry it.
             self.register_buffer("slopes", slopes, persistent=False)
 
-    def head_slopes(self) -> Tensor:
-        """The per-head ALiBi slopes (H,) in fp32, whatever dtype the module was cast to."""
+    def fixed_slopes(self) -> Tensor:
+        """The slopes this layer's config fixes, (H,) fp32 on the CPU: ALiBi's, or zeros with RoPE (no bias)."""
+        return torch.zeros(self.n_head) if self.rope else alibi_slopes(self.n_head).float()
+
+    def head_slopes(self, device: torch.device | None = None) -> Tensor:
+        """The per-head slopes (H,) in fp32 (on `device` when given), whatever dtype the module was cast to."""
         if hasattr(self, "log_slopes"):
             return self.log_slopes.float().exp()
-        if self.slopes.dtype != torch.float32:
+        if self.slopes.dtype != torch.float32 or (device is not None and self.slopes.device != device):
             # model.to(bf16) (DeepSpeed bf16 does it) rounds buffers; 2^(-8h/n) loses ~0.4% in bf16, and the
-            # fp32 model that later loads the weights would then see different slopes. Restore exact values once.
-            self.slopes = alibi_slopes(self.n_head).to(self.slopes.device)
+            # fp32 model that later loads the weights would then see different slopes. A model built on the meta
+            # device and loaded with `assign=True` (lmcore.from_hf) has none. Restore exact values once.
+            self.slopes = self.fixed_slopes().to(device or self.slopes.device)
         return self.slopes
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor) -> Tensor:
@@ -164,12 +180,21 @@ class Attention(nn.Module):
             return checkpoint(attend, *args, use_reentrant=False)
         return attend(*args)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        kv_cache: KVCache | None = None,
+        documents: Documents | None = None,
+        rotary: Rotary | None = None,
+    ) -> Tensor:
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, Hkv, D)
-        slopes = self.head_slopes()
+        if rotary is not None:
+            # Rotated before the cache stores the keys: cached keys keep the angle of their own position.
+            q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
+        slopes = self.head_slopes(x.device)
         if documents is not None:
             # Attention inside each packed document: the rows flattened into varlen's (B * T, H, D) layout,
             # token-major like (B, T, H, D), so no transpose either way.
@@ -211,13 +236,19 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, kv_cache: KVCache | None = None, documents: Documents | None = None) -> Tensor:
-        x = x + self.self_attn(self.attn_norm(x), kv_cache, documents)
+    def forward(
+        self,
+        x: Tensor,
+        kv_cache: KVCache | None = None,
+        documents: Documents | None = None,
+        rotary: Rotary | None = None,
+    ) -> Tensor:
+        x = x + self.self_attn(self.attn_norm(x), kv_cache, documents, rotary)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
-    """Decoder-only language model with ALiBi attention.
+    """Decoder-only language model with ALiBi attention, or rotary positions (`ModelConfig.position="rope"`).
 
     Example:
         >>> model = GPT(ModelConfig.from_preset("tiny"))
@@ -229,6 +260,8 @@ class GPT(nn.Module):
 
     # Set by lmcore.lora.apply_lora (targets, r, alpha, dropout) while the model has adapters; absent otherwise.
     lora_settings: dict[str, Any]
+    # Set by lmcore.from_hf: the Hugging Face architecture and config.json it came from (lmcore.hf_import.HFSource).
+    hf_source: Any
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -249,7 +282,8 @@ class GPT(nn.Module):
 
         `labels[t]` is the target of position t (the caller shifts). With `kv_cache`, `input_ids`
         continue the cached sequence and the cache is extended in place. With `config.document_separator`
-        set and no `kv_cache`, attention stays inside the documents that the separator closes.
+        set and no `kv_cache`, attention stays inside the documents that the separator closes (with RoPE,
+        positions restart at 0 in each document). With RoPE and a cache, positions continue from `len(kv_cache)`.
         """
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer (B, T), got {input_ids.dtype} {tuple(input_ids.shape)}")
@@ -269,17 +303,33 @@ class GPT(nn.Module):
             # Once per forward, shared by every layer (one host sync for max_seqlen).
             documents = document_boundaries(input_ids, self.config.document_separator)
         x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)
+        rotary = self._rotary(input_ids, kv_cache, documents, x.dtype) if self.config.position == "rope" else None
         checkpoint_blocks = self.config.checkpointing == "block" and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpoint_blocks and kv_cache is None:
-                x = checkpoint(layer, x, None, documents, use_reentrant=False)
+                x = checkpoint(layer, x, None, documents, rotary, use_reentrant=False)
             else:
-                x = layer(x, kv_cache, documents)
+                x = layer(x, kv_cache, documents, rotary)
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten().long(), ignore_index=-100)
         return LMOutput(logits, loss)
+
+    def _rotary(
+        self, input_ids: Tensor, kv_cache: KVCache | None, documents: Documents | None, dtype: torch.dtype
+    ) -> Rotary:
+        """cos/sin for every token, once per forward and shared by the layers; (1, T, D) or (B, T, D)."""
+        B, T = input_ids.shape
+        if documents is not None:
+            assert self.config.document_separator is not None  # documents exist only with a separator
+            positions = positions_in_documents(input_ids, self.config.document_separator)  # (B, T)
+            seq_len = documents.max_seqlen
+        else:
+            start = 0 if kv_cache is None else len(kv_cache)  # read before layer 0 extends the cache
+            positions = torch.arange(start, start + T, device=input_ids.device)[None]  # (1, T)
+            seq_len = start + T
+        return rotary_cos_sin(self.config, positions, seq_len, dtype)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token at `seq_len` (default `config.context_length`): PaLM's 6*N + 12*L*H*Q*T.
