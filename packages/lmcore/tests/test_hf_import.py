@@ -272,3 +272,21 @@ def test_a_sliding_window_that_never_applies_is_accepted(tmp_path):
     logits_equal(from_hf(tmp_path), hf)
     hf = write_checkpoint(tmp_path / "m", "MistralForCausalLM", sliding_window=64, max_position_embeddings=64)
     logits_equal(from_hf(tmp_path / "m"), hf)
+
+
+def test_a_given_config_may_change_only_what_changes_no_tensor(tmp_path):
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lmcore import from_hf
+    from lmcore.hf_llama import HFImportError, config_from_hf
+
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128)).save_pretrained(tmp_path)  # fmt: skip
+    mapped = config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    model = from_hf(tmp_path, config=dataclasses.replace(mapped, dropout=0.1, checkpointing="block"))
+    assert (model.config.dropout, model.config.checkpointing) == (0.1, "block")
+    with pytest.raises(HFImportError, match=r"config.json: the config given for rope_theta is 500.0"):
+        from_hf(tmp_path, config=dataclasses.replace(mapped, rope_theta=500.0))

@@ -150,6 +150,11 @@ def _open(path: Path) -> Any:
         raise HFImportError(f"{path}: not a readable safetensors file ({exc}); fix: restore the file") from None
 
 
+# ModelConfig fields a caller of from_hf may set otherwise than config.json: none changes a tensor or the logits of
+# one unpacked sequence.
+FREE_FIELDS = ("dropout", "checkpointing", "attention_backend", "document_separator")
+
+
 def _shape_hint(config: ModelConfig) -> str:
     return (
         f"vocab_size={config.vocab_size}, hidden_size={config.d_model}, intermediate_size={config.d_ff}, "
@@ -158,12 +163,19 @@ def _shape_hint(config: ModelConfig) -> str:
 
 
 def from_hf(
-    path: str | os.PathLike[str], dtype: torch.dtype | str | None = None, *, device: str | torch.device = "cpu"
+    path: str | os.PathLike[str],
+    dtype: torch.dtype | str | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
 ) -> GPT:
     """The Llama/Qwen2/Mistral checkpoint in the local directory `path` as an lmcore GPT in eval mode, whose
     `model(ids).logits` equal transformers' (fp32: to 1e-5). `dtype` None keeps the checkpoint's precision; each
     tensor is converted once as it is read. `model.hf_source` (an `HFSource`) keeps the architecture and the
-    config.json for the export back (`lmcore.save_hf`). Bad input raises `HFImportError` (a ValueError), one line.
+    config.json for the export back (`lmcore.save_hf`). `config` builds the model from another ModelConfig than
+    the one config.json maps to: one that changes no tensor (dropout, activation checkpointing, the attention
+    backend, a document separator), as a fine-tune's plan sets them; its shapes are checked against the weights like
+    config.json's. Bad input raises `HFImportError` (a ValueError), one line.
 
     Example (a tiny random Qwen2 written by transformers; needs the hf extra for that part only):
         >>> import tempfile, torch
@@ -182,7 +194,17 @@ def from_hf(
     raw = read_hf_config(directory)
     where = str(directory / CONFIG_NAME)
     architecture = architecture_of(raw, where)
-    config = config_from_hf(raw, where)
+    mapped = config_from_hf(raw, where)
+    if config is None:
+        config = mapped
+    else:
+        changed = sorted(k for k, v in config.to_dict().items() if k not in FREE_FIELDS and mapped.to_dict()[k] != v)
+        if changed:
+            raise HFImportError(
+                f"{where}: the config given for {changed[0]} is {getattr(config, changed[0])!r}, the checkpoint's "
+                f"{getattr(mapped, changed[0])!r}: expected the checkpoint's computation (only {', '.join(FREE_FIELDS)}"
+                " may differ); fix: leave those fields as config.json has them"
+            )
     files = weight_files(directory)
     target = _target_dtype(files, dtype)
     with torch.device("meta"):
