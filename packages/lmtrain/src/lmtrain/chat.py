@@ -21,7 +21,7 @@ import gzip
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,12 +294,23 @@ class Encoded:
 def encode_samples(
     sp: Any, template: ChatTemplate, samples: Sequence[Sample], seq_len: int, too_long: str = "truncate"
 ) -> Encoded:
-    """Every sample encoded; one longer than ``seq_len + 1`` tokens is cut to its first ``seq_len + 1``
+    """Every sample encoded with ``template`` (:func:`encode_turns`), as :func:`encode_samples_with` says."""
+    return encode_samples_with(lambda turns: encode_turns(sp, template, turns), samples, seq_len, too_long)
+
+
+def encode_samples_with(
+    encode: Callable[[Sequence[Turn]], tuple[list[int], list[int]]],
+    samples: Sequence[Sample],
+    seq_len: int,
+    too_long: str = "truncate",
+) -> Encoded:
+    """Every sample encoded by ``encode(turns) -> (ids, labels)`` (this module's templates, or a base model's own:
+    lmtrain.base_model.chat_encoder); one longer than ``seq_len + 1`` tokens is cut to its first ``seq_len + 1``
     (``too_long="truncate"``: the end of the sample goes, and with it its EOS) or left out (``"skip"``). A truncated
     sample with no label left is left out too. Both are counted."""
     out, truncated, skipped = [], 0, 0
     for s in samples:
-        ids, labels = encode_turns(sp, template, s.turns)
+        ids, labels = encode(s.turns)
         if len(ids) > seq_len + 1:
             if too_long == "skip":
                 skipped += 1

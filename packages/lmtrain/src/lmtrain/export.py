@@ -42,7 +42,7 @@ from typing import Any
 from lmtrain.errors import LmtrainError
 from lmtrain.progress import step
 from lmtrain.run_files import TOKENIZER_FILE
-from lmtrain.run_record import RunRecord
+from lmtrain.run_record import RunRecord, read_run_record
 
 FORMATS = ("hf", "hf-mpt", "hf-custom", "gguf")  # hf: MPT where the model maps, else hf-custom
 GGUF_TYPES = ("f32", "f16")
@@ -221,6 +221,7 @@ def export_run(
     gguf_type: str = "f16",
     on_note: Callable[[str], None] | None = None,
     progress: bool = False,
+    gguf_pre: str | None = None,
 ) -> Path:
     """Export the run's `checkpoint` to `out` in `fmt`; returns the checkpoint exported.
 
@@ -253,6 +254,10 @@ def export_run(
 
     _check_arguments(fmt, max_seq_len, gguf_type, tokenizer)
     out = Path(out)
+    if read_run_record(run_dir).base is not None:  # a fine-tune of a Hugging Face base: its own architecture back
+        return _export_base(run_dir, out, fmt=fmt, checkpoint=checkpoint, verify=verify, force=force, lora=lora,
+                            merge_lora=merge_lora, tokenizer=tokenizer, gguf_type=gguf_type, gguf_pre=gguf_pre,
+                            on_note=on_note)  # fmt: skip
     _check_extras_and_destination(out, fmt, force, tokenizer)
     model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note,
                                           set_threads=False)  # fmt: skip
@@ -295,6 +300,39 @@ def export_run(
             else "wrote custom code (loads with trust_remote_code=True): the model does not map onto "
             f"transformers' MPT ({'; '.join(mismatches)})"
         )
+    return path
+
+
+def _export_base(run_dir: str | os.PathLike, out: Path, *, fmt: str, checkpoint: str, verify: str, force: bool,
+                 lora: str | os.PathLike | None, merge_lora: bool, tokenizer: bool, gguf_type: str,
+                 gguf_pre: str | None, on_note: Callable[[str], None] | None) -> Path:  # fmt: skip
+    """export_run for a fine-tune of a Hugging Face base (lmtrain.export_base)."""
+    from lmtrain.export_base import write_base_export, write_base_gguf
+    from lmtrain.run_files import load_trained_model
+
+    if fmt == "gguf":
+        from lmtrain.export_gguf import check_file_destination, import_gguf
+
+        check_file_destination(out, force)
+        import_gguf()
+    else:
+        _check_destination(out, force)
+    model, run, path = load_trained_model(run_dir, checkpoint=checkpoint, verify=verify, on_note=on_note,
+                                          set_threads=False)  # fmt: skip
+    if lora is not None:
+        _load_lora_file(model, lora)
+    with _staged(out) as tmp:
+        if fmt == "gguf":
+            write_base_gguf(model, run, Path(run_dir), tmp / out.name, gguf_type=gguf_type, pre=gguf_pre,
+                            merge_lora=merge_lora)  # fmt: skip
+            _follow_umask(tmp)
+            os.replace(tmp / out.name, out)
+            return path
+        what = write_base_export(model, run, Path(run_dir), tmp, fmt=fmt, merge_lora=merge_lora, tokenizer=tokenizer)
+        _follow_umask(tmp)
+        _replace(tmp, out)
+    if on_note is not None:
+        on_note(f"wrote {what}")
     return path
 
 
@@ -478,12 +516,18 @@ def run_export(args: argparse.Namespace) -> int:
         gguf_type=args.outtype,
         on_note=lambda note: print(f"lmtrain export: {note}", file=sys.stderr),
         progress=True,
+        gguf_pre=args.gguf_pre,
     )
+    config = {} if args.format == "gguf" else json.loads((Path(args.out) / "config.json").read_text())
+    architecture = (config.get("architectures") or ["?"])[0]
     if args.format == "gguf":
-        print(f"exported {checkpoint} to {args.out} (gguf {args.outtype}; llama.cpp's MPT)")
+        base = read_run_record(args.run).base
+        what = f"{base['architecture']}'s llama.cpp architecture" if base else "llama.cpp's MPT"
+        print(f"exported {checkpoint} to {args.out} (gguf {args.outtype}; {what})")
         return 0
-    custom = "auto_map" in json.loads((Path(args.out) / "config.json").read_text())
-    what = "custom code; trust_remote_code=True" if custom else "transformers' MPT; no custom code"
+    custom = "auto_map" in config
+    mpt = "transformers' MPT" if architecture == MPT_ARCHITECTURE else architecture
+    what = "custom code; trust_remote_code=True" if custom else f"{mpt}; no custom code"
     print(f"exported {checkpoint} to {args.out} ({what}: AutoModelForCausalLM.from_pretrained({str(args.out)!r}"
           f"{', trust_remote_code=True' if custom else ''}))")  # fmt: skip
     return 0

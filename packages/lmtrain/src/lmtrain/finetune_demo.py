@@ -70,10 +70,20 @@ def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[
     ft = out / "finetune"
     say(f"[finetune 2/2] LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s")
     settings = {"lr": DEMO_LR, "eval_every": 0, "save_every": 0, "micro_batch": 8, "warmup_steps": 20, "log_every": 20}
-    request = FinetuneRequest(f"{run_dir}:best", str(pairs), str(ft), seq_len=DEMO_SEQ_LEN, batching="pack",
-                              time_budget_s=time_budget_s, overwrite=True, overrides=settings, lora_r=DEMO_LORA_R,
-                              lora_alpha=DEMO_LORA_ALPHA, lora_dropout=DEMO_LORA_DROPOUT,
-                              next_commands=False)  # the demo's own list of next commands ends it
+    request = FinetuneRequest(
+        f"{run_dir}:best",
+        str(pairs),
+        str(ft),
+        seq_len=DEMO_SEQ_LEN,
+        batching="pack",
+        time_budget_s=time_budget_s,
+        overwrite=True,
+        overrides=settings,
+        lora_r=DEMO_LORA_R,
+        lora_alpha=DEMO_LORA_ALPHA,
+        lora_dropout=DEMO_LORA_DROPOUT,
+        next_commands=False,
+    )  # the demo's own list of next commands ends it
     summary = run_finetune_request(request)
     after = heldout_response_loss(ft, pairs, seq_len=DEMO_SEQ_LEN, checkpoint="latest")
     scores_after = _scores(ft, prompts, out / "generations-after.jsonl", checkpoint="latest")

@@ -158,14 +158,60 @@ def run_finetune_request(request: FinetuneRequest, *, quiet: bool = False, as_js
         return _run(run, request, as_json)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What a fine-tune starts from, whichever kind: a checkpoint of an lmtrain run (lmtrain.init_from) or a Hugging
+    Face base model directory (lmtrain.base_model); everything the recipe needs of it."""
+
+    source: Any  # InitSource | BaseSource
+    encode: Any  # turns -> (ids, labels)
+    pad: int
+    eos: int | None
+    vocab_size: int
+    tokenizer_sha256: str
+    files: Mapping[str, Path]  # the tokenizer files the run keeps
+    template: Any  # lmtrain.chat.ChatTemplate of a run, None for a base (its own template, in its files)
+    seq_len: int  # the row length unless --seq-len
+    recipe: str | None
+    recorded: RunRecord | None  # the source run's CPU choices (lmtrain.probes)
+    base: Mapping[str, Any] | None  # lmcore HFSource.to_dict() of a base
+    label: str
+
+
+def _start(request: FinetuneRequest) -> _Start:
+    from lmtrain import base_model, chat
+    from lmtrain.init_from import read_init_source
+    from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer
+
+    src = _source_dir(request.source)
+    if base_model.is_base_dir(src):
+        if request.batching == "pack":
+            raise LmtrainError(f"--from {request.source}: --batching pack keeps attention inside each sample by its "
+                               "EOS, which a base model's chat template does not end every sample with: use "
+                               "--batching pad")  # fmt: skip
+        base = base_model.read_base(request.source)
+        tok = base.tokenizer
+        seq_len = min(base_model.DEFAULT_SEQ_LEN, int(base.model_config["context_length"]))
+        return _Start(base, base_model.chat_encoder(tok, str(base.directory)), base_model.pad_id(tok), tok.eos_id,
+                      tok.vocab_size, base.tokenizer_sha256, base.files(), None, seq_len, None, None,
+                      base.hf_source(), f"{base.directory} ({base.architecture})")  # fmt: skip
+    import tokbin
+
+    sp = load_tokenizer(src)
+    sha = tokbin.file_sha256(src / TOKENIZER_FILE)
+    source = read_init_source(request.source, sha, flag="--from", verify=request.verify)
+    template = chat.template_for(sp)
+    return _Start(source, lambda turns: chat.encode_turns(sp, template, turns), chat.pad_id_for(sp), sp.eos_id(),
+                  sp.get_piece_size(), sha, {TOKENIZER_FILE: src / TOKENIZER_FILE}, template, source.run.seq_len,
+                  source.run.recipe, source.run, None,
+                  f"{source.run_dir} ({source.checkpoint.name})")  # fmt: skip
+
+
 def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     import torch
 
-    import tokbin
     from lmtrain import chat
-    from lmtrain.init_from import read_init_source
     from lmtrain.probes import ProbeCache
-    from lmtrain.run_files import TOKENIZER_FILE, load_tokenizer
     from lmtrain.run_plan import settle
 
     saved = run.saved
@@ -173,10 +219,7 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
         request = _request_as_saved(request, saved.finetune)
     # Everything is read and checked before anything is written: the source, the data, the adapters' settings.
     samples = chat.read_samples(request.data)
-    src_run = _source_dir(request.source)
-    sp = load_tokenizer(src_run)
-    tokenizer_sha = tokbin.file_sha256(src_run / TOKENIZER_FILE)
-    source = read_init_source(request.source, tokenizer_sha, flag="--from", verify=request.verify)
+    start = _start(request)
     if request.method == "qlora":
         from lmcore.qlora import require_nf4
 
@@ -184,49 +227,47 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
             require_nf4()
         except ImportError as exc:
             raise LmtrainError(str(exc)) from None
-    template = chat.template_for(sp)
-    seq_len = request.seq_len or source.run.seq_len
+    seq_len = request.seq_len or start.seq_len
     train_samples, val_samples = chat.split_samples(samples, request.val_fraction)
     if not val_samples:
         raise LmtrainError(f"{request.data}: no sample fell in the held-out {request.val_fraction:.0%} (of "
                            f"{len(samples)}): add samples or raise --val-fraction")  # fmt: skip
-    train_enc = chat.encode_samples(sp, template, train_samples, seq_len, request.too_long)
-    val_enc = chat.encode_samples(sp, template, val_samples, seq_len, request.too_long)
-    pad = chat.pad_id_for(sp)
+    train_enc = chat.encode_samples_with(start.encode, train_samples, seq_len, request.too_long)
+    val_enc = chat.encode_samples_with(start.encode, val_samples, seq_len, request.too_long)
 
     def batches(train_cfg: Any, world_size: int, rank: int = 0) -> chat.ChatBatches:
-        return chat.ChatBatches(train_enc.samples, seq_len, train_cfg.micro_batch, pad, batching=request.batching,
+        return chat.ChatBatches(train_enc.samples, seq_len, train_cfg.micro_batch, start.pad, batching=request.batching,
                                 seed=train_cfg.seed, rank=rank, world_size=world_size)  # fmt: skip
 
-    base = _base(request, source, saved, seq_len, sp.eos_id(), lambda cfg: batches(cfg, run.world.world_size))
-    recorded, cache = saved or source.run, ProbeCache()
+    base = _base(request, start, saved, seq_len, lambda cfg: batches(cfg, run.world.world_size))
+    recorded, cache = saved or start.recorded, ProbeCache()
     plan = settle_cpu(run, lambda world: settle(request, base, world, saved),
                       lambda p: _model(p, request), recorded=recorded, cache=cache)  # fmt: skip
     plan = dataclasses.replace(plan, notes=plan.notes + _too_short(plan, len(train_enc.samples), run.world.world_size))
     matmul = route_matmuls(run, plan, recorded=recorded, cache=cache)
     torch.manual_seed(plan.train.seed)
-    model = _model(plan, request, source)
+    model = _model(plan, request, start.source)
     lora = dict(model.lora_settings) if request.method in ("lora", "qlora") else None
     train_batches = batches(plan.train, run.world.world_size, run.world.rank)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     finetune_record = {
-        "from": source.record(), "data": str(Path(request.data).resolve()), "method": request.method, "lora": lora,
-        "batching": request.batching, "val_fraction": request.val_fraction, "too_long": request.too_long,
-        "engine": plan.train.engine, "seq_len": seq_len, "max_steps": request.max_steps, "trainable_params": trainable,
+        "from": start.source.record(), "data": str(Path(request.data).resolve()), "method": request.method,
+        "lora": lora, "batching": request.batching, "val_fraction": request.val_fraction,
+        "too_long": request.too_long, "engine": plan.train.engine, "seq_len": seq_len, "max_steps": request.max_steps,
+        "trainable_params": trainable,
         "samples": {"train": len(train_enc.samples), "val": len(val_enc.samples),
                     "truncated": train_enc.truncated + val_enc.truncated,
                     "skipped": train_enc.skipped + val_enc.skipped},
     }  # fmt: skip
-    record = _record(plan, request, finetune_record, source, sp, template, tokenizer_sha, matmul)
-    _say_inputs(run, request, source, lora, trainable, plan, template, train_enc, val_enc, train_batches)
-    del source
-    eval_data = chat.eval_batches(val_enc.samples, plan.train.micro_batch, pad, rank=run.world.rank,
+    record = _record(plan, finetune_record, start, matmul)
+    _say_inputs(run, request, start, lora, trainable, plan, train_enc, val_enc, train_batches)
+    start = dataclasses.replace(start, source=None)  # its copy of the weights is no longer needed
+    eval_data = chat.eval_batches(val_enc.samples, plan.train.micro_batch, start.pad, rank=run.world.rank,
                                   world_size=run.world.world_size)  # fmt: skip
     import lmcore
 
     # Sharded adapters (fsdp) are gathered on every rank (a collective) before rank 0 writes them.
-    files = {TOKENIZER_FILE: src_run / TOKENIZER_FILE}
-    out = fit(run, plan, model, train_batches, eval_data, record=record, files=files,
+    out = fit(run, plan, model, train_batches, eval_data, record=record, files=start.files,
               extra_state={"finetune": finetune_record},
               after=(lambda m: lmcore.lora_state(m)) if lora is not None else None)  # fmt: skip
     if lora is not None and run.world.rank == 0:
@@ -236,7 +277,7 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     return finish(run, plan, out, as_json=as_json, next_commands=nexts, scored=scored)
 
 
-def _base(request: FinetuneRequest, source: Any, saved: RunRecord | None, seq_len: int, eos: int,
+def _base(request: FinetuneRequest, start: _Start, saved: RunRecord | None, seq_len: int,
           epoch_batches: Any) -> Base:  # fmt: skip
     """Where a fine-tune's configs start: the source's model (or the resumed run's configs), the fine-tuning
     defaults, one epoch of the training samples unless --max-steps or a budget says otherwise."""
@@ -250,7 +291,7 @@ def _base(request: FinetuneRequest, source: Any, saved: RunRecord | None, seq_le
     values: dict[str, Any] = {}
     if request.batching == "pack":
         # Attention inside each packed sample: every sample ends with EOS, which closes it (lmcore.documents).
-        values["model.document_separator"] = eos
+        values["model.document_separator"] = start.eos
     train = TrainConfig(**dict(FINETUNE_DEFAULTS, lr=FULL_LR if request.method == "full" else FINETUNE_DEFAULTS["lr"]))
 
     def check(model_cfg: Any, train_cfg: Any, data_cfg: Any) -> None:
@@ -275,9 +316,9 @@ def _base(request: FinetuneRequest, source: Any, saved: RunRecord | None, seq_le
             raise LmtrainError(str(exc)) from None
         return size_steps(train_cfg, steps, fixed, "--max-steps" if max_steps else None)
 
-    model = lmcore.ModelConfig.from_dict(dict(source.model_config))
-    return Base(model, train, DataConfig(seq_len=seq_len), recipe=source.run.recipe, values=values, check=check,
-                size=size)  # fmt: skip
+    model = lmcore.ModelConfig.from_dict(dict(start.source.model_config))
+    return Base(model, train, DataConfig(seq_len=seq_len), recipe=start.recipe, values=values, check=check,
+                size=size, label=start.label)  # fmt: skip
 
 
 def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
@@ -293,14 +334,18 @@ def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
 
 
 def _model(plan: Any, request: FinetuneRequest, source: Any = None) -> Any:
-    """The model that trains: the planned GPT with the source's weights (random ones for a probe), then the
-    adapters (and the 4-bit base of QLoRA)."""
+    """The model that trains: the planned GPT with the source's weights (random ones for a probe), a base model's
+    read straight into it (lmtrain.base_model), then the adapters (and the 4-bit base of QLoRA)."""
     import lmcore
+    from lmtrain.base_model import BaseSource, load_base_weights
     from lmtrain.init_from import load_init_weights
 
-    model = lmcore.GPT(plan.model)
-    if source is not None:
-        load_init_weights(model, source)
+    if isinstance(source, BaseSource):
+        model = load_base_weights(source, plan.model)
+    else:
+        model = lmcore.GPT(plan.model)
+        if source is not None:
+            load_init_weights(model, source)
     if request.method in ("lora", "qlora"):
         try:
             lmcore.apply_lora(model, request.lora_targets, request.lora_r, request.lora_alpha, request.lora_dropout)
@@ -313,8 +358,7 @@ def _model(plan: Any, request: FinetuneRequest, source: Any = None) -> Any:
     return model
 
 
-def _record(plan: Any, request: FinetuneRequest, finetune_record: dict[str, Any], source: Any, sp: Any,
-            template: Any, tokenizer_sha: str, cpu_matmul: str | None) -> RunRecord:  # fmt: skip
+def _record(plan: Any, finetune_record: dict[str, Any], start: _Start, cpu_matmul: str | None) -> RunRecord:
     """run.json of a fine-tune; a resumed one keeps what it started with, its world size and training config new."""
     import lmcore
 
@@ -324,29 +368,30 @@ def _record(plan: Any, request: FinetuneRequest, finetune_record: dict[str, Any]
     return RunRecord(
         command="finetune", data=finetune_record["data"], recipe=plan.recipe,
         schedule="budget" if plan.budgeted else "config", model_config=plan.model.to_dict(),
-        train_config=plan.train.to_dict(), data_config=dataclasses.asdict(plan.data), eos_id=sp.eos_id(),
-        vocab_size=sp.get_piece_size(), bytes_per_token=None, n_params=lmcore.n_params(plan.model),
-        tokenizer_sha256=tokenizer_sha, world_size=plan.world.world_size,
+        train_config=plan.train.to_dict(), data_config=dataclasses.asdict(plan.data), eos_id=start.eos,
+        vocab_size=start.vocab_size, bytes_per_token=None, n_params=lmcore.n_params(plan.model),
+        tokenizer_sha256=start.tokenizer_sha256, world_size=plan.world.world_size,
         cpu_threads=plan.cpu_threads if plan.cpu_threads is not None else plan.world.threads_now,
-        cpu_matmul=cpu_matmul, notes=plan.notes, init_from=source.record(), finetune=finetune_record,
-        chat_template=template.to_json(),
+        cpu_matmul=cpu_matmul, notes=plan.notes, init_from=start.source.record(), finetune=finetune_record,
+        chat_template=start.template.to_json() if start.template is not None else None, base=start.base,
     )  # fmt: skip
 
 
-def _say_inputs(run: Run, request: FinetuneRequest, source: Any, lora: Mapping[str, Any] | None, trainable: int,
-                plan: Any, template: Any, train_enc: Any, val_enc: Any, batches: Any) -> None:  # fmt: skip
+def _say_inputs(run: Run, request: FinetuneRequest, start: _Start, lora: Mapping[str, Any] | None, trainable: int,
+                plan: Any, train_enc: Any, val_enc: Any, batches: Any) -> None:  # fmt: skip
     import lmcore
 
     total = lmcore.n_params(plan.model)
     adapters = (f": LoRA r={request.lora_r} alpha={request.lora_alpha:g} dropout={request.lora_dropout:g} on "
                 f"{', '.join(lora['targets'])}" if lora else "")  # fmt: skip
-    run.say(f"from {source.run_dir} ({source.checkpoint.name}), method {request.method}{adapters}"
+    run.say(f"from {start.label}, method {request.method}{adapters}"
             + (", base weights in 4-bit NormalFloat (torchao NF4)" if request.method == "qlora" else ""))  # fmt: skip
     run.say(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / total:.2f}%)")
-    run.say(
-        f"chat template: {template.name}"
-        + ("" if template.name == "tokens" else " (the tokenizer has no chat tokens: plain-text role markers)")
-    )
+    if start.template is None:
+        run.say("chat template: the base model's own (its tokenizer files), rendered as transformers renders it")
+    else:
+        plain = "" if start.template.name == "tokens" else " (no chat tokens in the tokenizer: plain-text markers)"
+        run.say(f"chat template: {start.template.name}{plain}")
     run.say(f"{request.data}: {len(train_enc.samples)} training / {len(val_enc.samples)} held-out samples, "
             f"{train_enc.truncated + val_enc.truncated} truncated to {plan.data.seq_len + 1} tokens, "
             f"{train_enc.skipped + val_enc.skipped} skipped ({request.too_long})")  # fmt: skip
@@ -368,7 +413,10 @@ def _source_dir(spec: str) -> Path:
 
     run_dir, _ = parse_init_spec(spec, "--from")
     if not run_dir.is_dir():
-        raise LmtrainError(f"--from {spec}: {run_dir} is not a directory: expected a run written by `lmtrain train`")
+        raise LmtrainError(
+            f"--from {spec}: {run_dir} is not a directory: expected a run written by `lmtrain train`, "
+            "or a Hugging Face model directory (config.json, model.safetensors, tokenizer.json)"
+        )
     return run_dir
 
 

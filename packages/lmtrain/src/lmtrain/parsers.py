@@ -388,6 +388,13 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
         "--merge-lora", action="store_true", help="fold LoRA adapters into the weights instead of a PEFT adapter"
     )
     p.add_argument("--no-tokenizer", action="store_true", help="export the model alone")
+    p.add_argument(
+        "--gguf-pre",
+        default=None,
+        metavar="NAME",
+        help="gguf of a fine-tuned Hugging Face base: llama.cpp's name for its tokenizer's pre-tokenizer (default: "
+        "qwen2 for Qwen2; e.g. llama-bpe for Llama 3, smollm for SmolLM2)",
+    )
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:

@@ -126,6 +126,7 @@ class Base:
     size: Callable[[Any, int | None, set[str]], Any] | None = None
     check: Callable[[Any, Any, DataConfig], None] | None = None
     regularise_tokens: int | None = None  # training tokens, for the budget's regularisation (None: none)
+    label: str | None = None  # the model in the plan's lines when no recipe names it (a base model's directory)
     explicit_config: bool = False  # a --model-config file: its regularisation is the user's
 
 
@@ -152,6 +153,7 @@ class RunPlan:
     adoption: Any = None  # trainloop Adoption of the DeepSpeed JSON, for engine="deepspeed"
     notes: tuple[str, ...] = ()
     saved: Any = None  # the RunRecord of the run being resumed
+    label: str | None = None  # what the model is when no recipe names it
 
     @property
     def ds_config(self) -> Any:
@@ -194,7 +196,7 @@ class RunPlan:
         cfg = self.train
         steps = "sized to the budget as it runs" if self.budgeted else f"max_steps {cfg.max_steps}"
         size = (
-            f"{n_params(self.model) / 1e6:.2f}M parameters ({self.recipe or 'config file'}), seq_len "
+            f"{n_params(self.model) / 1e6:.2f}M parameters ({self.recipe or self.label or 'config file'}), seq_len "
             f"{self.seq_len}, micro_batch {cfg.micro_batch} x accum {cfg.grad_accum} x {self.world.world_size} "
             f"rank(s), lr {cfg.lr:g}, {steps}"
         )
@@ -285,7 +287,7 @@ def settle(request: RunOptions, base: Base, world: World, saved: Any = None) -> 
         request=request, recipe=base.recipe, model=model_cfg, train=train_cfg, data=data_cfg, budgeted=budgeted,
         resumed=resumed, fixed=frozenset(fixed), world=world, cpu_threads=cpu_threads, step_s=step_s,
         time_threads=time_threads, time_bf16=time_bf16, first_guess=first_guess, regularisation=regularisation,
-        adoption=adoption, notes=tuple(notes), saved=saved,
+        adoption=adoption, notes=tuple(notes), saved=saved, label=base.label,
     )  # fmt: skip
 
 

@@ -31,8 +31,10 @@ class RunRecord:
 
     ``cpu_threads`` and ``cpu_matmul`` are what the run computed with on a CPU (a probe's answer or the user's
     setting): a resumed run, and a run started ``--init-from`` this one, compute with the same, so that the load of
-    the machine at a restart cannot change a run's numbers. ``finetune`` and ``chat_template`` are a fine-tune's;
-    ``init_from`` says where a run's first weights came from.
+    the machine at a restart cannot change a run's numbers. ``finetune`` and ``chat_template`` are a fine-tune's,
+    ``base`` a fine-tune's of a Hugging Face base model (its architecture and config.json, for the export back; its
+    chat template is in the tokenizer files the run keeps); ``init_from`` says where a run's first weights came
+    from.
 
     Example:
         >>> record = RunRecord("train", model_config={"n_layer": 2}, train_config={}, data_config={"seq_len": 8})
@@ -60,6 +62,7 @@ class RunRecord:
     init_from: Mapping[str, Any] | None = None
     finetune: Mapping[str, Any] | None = None
     chat_template: Mapping[str, Any] | None = None
+    base: Mapping[str, Any] | None = None  # a fine-tune of a Hugging Face base: lmcore's HFSource.to_dict()
     format: int = FORMAT
 
     @property
@@ -129,7 +132,7 @@ def _check(record: RunRecord, where: str | os.PathLike, restore: str) -> None:
         raise bad("world_size", "a positive integer")
     if record.cpu_matmul is not None and record.cpu_matmul not in MATMUL_LIBRARIES:
         raise bad("cpu_matmul", f"one of {', '.join(MATMUL_LIBRARIES)} or null")
-    for name in ("plan", "init_from", "finetune", "chat_template"):
+    for name in ("plan", "init_from", "finetune", "chat_template", "base"):
         if getattr(record, name) is not None and not isinstance(getattr(record, name), dict):
             raise bad(name, "an object or null")
 
