@@ -33,6 +33,16 @@ FINETUNE_DEFAULTS: dict[str, Any] = dict(
 )
 FULL_LR = 5e-5  # the whole model moves: a smaller step than the adapters'
 FEW_STEPS = 50  # fewer optimizer steps than this is worth a warning (see _too_short)
+# `--trainable NAME` (--method full): the parameter names each name stands for (fnmatch patterns); anything else is a
+# comma-separated list of patterns of its own. Progressive unfreezing is a chain of runs, each --from the last.
+TRAINABLE = {
+    "all": ("*",),
+    "attention": ("layers.*.self_attn.*",),
+    "mlp": ("layers.*.mlp.*",),
+    "norms": ("layers.*.attn_norm.*", "layers.*.mlp_norm.*", "norm.*"),
+    "embeddings": ("embed_tokens.*", "lm_head.*"),
+    "head": ("lm_head.*", "norm.*"),
+}
 # Padding is the default batching: on this project's CPU, packed rows measured 0.83x-0.94x of padding's tokens/s
 # (tools/bench_batching_step.py, tools/bench_finetune.py: cpu-small with LoRA r=16, rows of 256; docs/benchmarks.md),
 # the varlen attention running one call per sample there. On a GPU the fused varlen kernel may turn it (not measured).
@@ -54,6 +64,7 @@ class FinetuneRequest:
     seq_len: int | None = None
     val_fraction: float = 0.1
     too_long: str = "truncate"
+    trainable: str | None = None  # --method full: what trains (lmtrain.finetune_run.TRAINABLE, or patterns); None: all
     max_steps: int | None = None
     time_budget_s: float | None = None
     resume: bool = False
@@ -85,6 +96,9 @@ class FinetuneRequest:
             raise LmtrainError(f"--batching {self.batching!r}: expected pack or pad")
         if self.too_long not in ("truncate", "skip"):
             raise LmtrainError(f"--too-long {self.too_long!r}: expected truncate or skip")
+        if self.trainable is not None and self.method != "full":
+            raise LmtrainError(f"--trainable {self.trainable}: chooses what --method full trains; LoRA trains its "
+                               "adapters on --lora-targets: drop --trainable or use --method full")  # fmt: skip
         if self.seq_len is not None and self.seq_len < 2:
             raise LmtrainError(f"--seq-len {self.seq_len}: expected a row length of at least 2 tokens")
 
@@ -99,6 +113,7 @@ def finetune(
     lora_alpha: float = 16.0,
     lora_dropout: float = 0.0,
     lora_targets: Sequence[str] = ("q", "k", "v", "o"),
+    trainable: str | None = None,
     batching: str = "pad",
     seq_len: int | None = None,
     val_fraction: float = 0.1,
@@ -144,7 +159,8 @@ def finetune(
         values["model.checkpointing"] = "block"
     request = FinetuneRequest(
         source=str(source), data=str(data), out=str(out), method=method, lora_r=lora_r, lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout, lora_targets=tuple(lora_targets), batching=batching, seq_len=seq_len,
+        lora_dropout=lora_dropout, lora_targets=tuple(lora_targets), trainable=trainable, batching=batching,
+        seq_len=seq_len,
         val_fraction=val_fraction, max_steps=max_steps, time_budget_s=time_budget_s, resume=resume,
         overwrite=overwrite, verify=verify, engine=engine, gpumon=gpumon, compile=compile, overrides=values,
         deepspeed=deepspeed if isinstance(deepspeed, Mapping) or deepspeed is None else str(deepspeed),
@@ -253,8 +269,8 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     finetune_record = {
         "from": start.source.record(), "data": str(Path(request.data).resolve()), "method": request.method,
         "lora": lora, "batching": request.batching, "val_fraction": request.val_fraction,
-        "too_long": request.too_long, "engine": plan.train.engine, "seq_len": seq_len, "max_steps": request.max_steps,
-        "trainable_params": trainable,
+        "too_long": request.too_long, "trainable": request.trainable, "engine": plan.train.engine, "seq_len": seq_len,
+        "max_steps": request.max_steps, "trainable_params": trainable,
         "samples": {"train": len(train_enc.samples), "val": len(val_enc.samples),
                     "truncated": train_enc.truncated + val_enc.truncated,
                     "skipped": train_enc.skipped + val_enc.skipped},
@@ -355,7 +371,26 @@ def _model(plan: Any, request: FinetuneRequest, source: Any = None) -> Any:
             from lmcore.qlora import quantize_frozen_linears
 
             quantize_frozen_linears(model)
+    elif request.trainable is not None:
+        _freeze_all_but(model, request.trainable)
     return model
+
+
+def _freeze_all_but(model: Any, trainable: str) -> None:
+    """Only the parameters ``trainable`` names train (TRAINABLE's names, or comma-separated fnmatch patterns on the
+    parameter names); one that matches nothing is one LmtrainError listing what there is."""
+    import fnmatch
+
+    patterns = TRAINABLE.get(trainable) or tuple(p.strip() for p in trainable.split(",") if p.strip())
+    names = [name for name, _ in model.named_parameters()]
+    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    if not chosen:
+        raise LmtrainError(
+            f"--trainable {trainable}: matches no parameter: expected one of {', '.join(TRAINABLE)}, or "
+            f"fnmatch patterns on the model's parameter names (such as {names[len(names) // 2]})"
+        )
+    for name, param in model.named_parameters():
+        param.requires_grad_(name in chosen)
 
 
 def _record(plan: Any, finetune_record: dict[str, Any], start: _Start, cpu_matmul: str | None) -> RunRecord:
@@ -430,6 +465,7 @@ def _request_as_saved(request: FinetuneRequest, saved: Mapping[str, Any]) -> Fin
         val_fraction=saved.get("val_fraction", request.val_fraction),
         seq_len=saved.get("seq_len", request.seq_len),
         too_long=saved.get("too_long", request.too_long),
+        trainable=saved.get("trainable", request.trainable),
         max_steps=saved.get("max_steps", request.max_steps),
         lora_r=lora.get("r", request.lora_r),
         lora_alpha=lora.get("alpha", request.lora_alpha),
@@ -448,6 +484,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         source=args.source, data=args.data, out=args.out, method=args.method, lora_r=args.lora_r,
         lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=tuple(t for t in args.lora_targets.split(",") if t), batching=args.batching,
+        trainable=args.trainable,
         seq_len=args.seq_len, val_fraction=args.val_fraction, too_long=args.too_long, max_steps=args.max_steps,
         time_budget_s=args.time_budget, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
         engine=args.engine, deepspeed=args.deepspeed, gpumon=args.gpumon, compile=args.compile,

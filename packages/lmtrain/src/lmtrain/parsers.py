@@ -161,6 +161,13 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         choices=("truncate", "skip"),
         help="a sample longer than a row: keep its first seq_len + 1 tokens (default) or leave it out",
     )
+    p.add_argument(
+        "--trainable",
+        default=None,
+        metavar="all|attention|mlp|norms|embeddings|head|PATTERNS",
+        help="--method full: what trains (default all), or comma-separated patterns on parameter names "
+        "(layers.2[0-3].*); progressive unfreezing is a chain of runs, each --from the last",
+    )
     add_run_flags(p, "finetune")
 
 
