@@ -133,3 +133,36 @@ def test_second_sigint_stops_at_once(tmp_path, fault):
     else:  # a second Ctrl-C taken as the first: the run finishes the batch, saves, exits 0; the check fails on it
         with pytest.raises(AssertionError):
             _sigint_twice(tmp_path, fault)
+
+
+# SIGTERM once fit() has returned: the run is finished and its checkpoint saved; what the script still does (here,
+# 6 s of finishing work) must complete, and the process exit 0, alone and as rank 1 of 2 (torchrun then reports the
+# job as failed if that rank died of the signal).
+AFTER_FIT = [("alone", 1, 0), ("rank 1 of 2", 2, 1)]
+
+
+@pytest.mark.parametrize(("nproc", "rank"), [c[1:] for c in AFTER_FIT], ids=[c[0] for c in AFTER_FIT])
+def test_sigterm_after_fit_lets_the_script_finish_and_exit_zero(tmp_path, nproc, rank):
+    run = _start({"run_dir": str(tmp_path), "max_steps": 3, "after_fit_s": 6.0}, nproc=nproc)
+    pid = int(run.wait_for(f"PID {rank} ", start=True).split()[2])
+    run.wait_for(f"FINISHED {rank}", start=True)
+    os.kill(pid, signal.SIGTERM)
+    code = run.finish(timeout=120)
+    assert code == 0, (code, run.output()[-4000:])
+    summaries = _summaries(run)
+    assert set(summaries) == set(range(nproc)) and all(s["step"] == 3 for s in summaries.values()), run.output()
+    assert all(s["stopped"] is None for s in summaries.values())  # the run ended as planned
+    assert "SIGTERM after the run finished" in "".join(run.err_lines)
+    assert verify_checkpoint(CheckpointStore(tmp_path).step_dir(3), verify="full") is None
+
+
+def test_a_second_sigterm_after_fit_ends_the_process_as_before(tmp_path):
+    run = _start({"run_dir": str(tmp_path), "max_steps": 3, "after_fit_s": 60.0})
+    run.wait_for("FINISHED 0", start=True)
+    run.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while "SIGTERM after the run finished" not in "".join(run.err_lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=60) == -signal.SIGTERM
+    assert not _summaries(run)

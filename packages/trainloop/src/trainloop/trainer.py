@@ -8,6 +8,7 @@ carries across a resume.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -41,8 +42,9 @@ from trainloop.faults import (
     NonFiniteLossError,
     StopSignals,
     collective_failure,
-    disk_full,
     disk_full_error,
+    write_errno,
+    write_failed_error,
 )
 from trainloop.metrics_logging import (
     MetricsLogger,
@@ -494,9 +496,10 @@ class Trainer:
             )
         )
         # Handlers stay installed until the final checkpoint is written: a signal during the final evaluation or
-        # save only sets the flag.
+        # save only sets the flag; after it, a SIGTERM waits for the process to finish (StopSignals.finish).
         self._signals.install()
         summary: dict[str, Any] = {"stopped": None, "eval": None, "loss": None}
+        finished = False
         try:
             summary["stopped"], evaluated_at = self._loop(logger, summary)
             if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and evaluated_at != self.state.step:
@@ -504,9 +507,13 @@ class Trainer:
                 if summary["eval"] is None:  # a signal stopped it: the run was preempted, save and go
                     summary["stopped"] = SIGNAL_STOP
             ckpt = self.save_checkpoint() if self._last_saved_step != self.state.step else None
+            finished = True
         except Exception as exc:
-            if disk_full(exc):
+            code = write_errno(exc)
+            if code in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full_error(exc, self.store, self.engine.module, self.state.step) from exc
+            if code is not None:
+                raise write_failed_error(exc, code, self.store, self.state.step) from exc
             if self.world_size > 1 and collective_failure(exc):
                 raise CollectiveError(
                     f"rank {self.rank}: a collective operation failed at step {self.state.step} ({type(exc).__name__}: "
@@ -515,7 +522,10 @@ class Trainer:
                 ) from exc
             raise
         finally:
-            self._signals.restore()
+            if finished:  # a SIGTERM from now on lets the caller finish up instead of ending the process with -15
+                self._signals.finish()
+            else:
+                self._signals.restore()
             logger.close()
         if summary["stopped"] == SIGNAL_STOP:
             summary["stopped"] = self._signals.received or "signal on another rank"
