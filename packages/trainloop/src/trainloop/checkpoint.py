@@ -313,6 +313,11 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+class WeightsFileError(CheckpointError, SafetensorError):
+    """A consolidated weights file that safetensors cannot read (a pickle, junk); also a ``SafetensorError``, what
+    callers of ``safetensors.torch.load_file`` already catch."""
+
+
 class LinkedFileError(CheckpointError):
     """A file a run would write is a symbolic link, has other hard links, or is not a regular file: writing through
     it would change a file elsewhere, so it is refused (the message names the path and the fix)."""
@@ -510,7 +515,7 @@ def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = 
         return load_file(str(path), device=str(device))
     except SafetensorError as exc:  # a pickle, or any other file under the name: never unpickled
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
+        raise WeightsFileError(
             f"{path}: refused to load (not a safetensors file: {first}); a checkpoint written by this toolkit holds "
             "one, so this file was altered or comes from elsewhere: resume from another checkpoint"
         ) from None
