@@ -83,15 +83,25 @@ def _fit(run_dir, resume=False, **kw):
     return Trainer(TinyLM(), _cfg(**kw), SeqData(4), run_dir=run_dir).fit(resume=resume)
 
 
-def test_a_hardlinked_metrics_file_of_a_resumed_run_is_left_alone(tmp_path):
-    _fit(tmp_path, max_steps=2)
-    victim = tmp_path.parent / f"{tmp_path.name}-victim.txt"
+@pytest.mark.parametrize("name", ["metrics.jsonl", "checkpoints/best.json", "loss.png"])
+@pytest.mark.parametrize("make", [m[1] for m in LINKS[:2]], ids=[m[0] for m in LINKS[:2]])
+def test_a_file_a_run_replaces_is_refused_when_it_is_a_link(tmp_path, make, name):
+    from trainloop.plotting import plot_metrics
+
+    run = tmp_path / "run"
+    _fit(run, max_steps=2, eval_every=2)
+    victim = tmp_path / "victim.txt"
     victim.write_text(VICTIM)
-    os.unlink(tmp_path / "metrics.jsonl")
-    os.link(victim, tmp_path / "metrics.jsonl")
-    _fit(tmp_path, resume=True, max_steps=4)
-    assert victim.read_text() == VICTIM  # replaced by the run's own file, never appended to
-    assert '"step": 4' in (tmp_path / "metrics.jsonl").read_text()
+    (run / name).unlink(missing_ok=True)
+    make(run / name, victim)
+    with pytest.raises(CheckpointError, match="remove"):  # a symbolic link out of the run: refused on start
+        if name == "loss.png":
+            plot_metrics(run / "metrics.jsonl", run / name)
+        elif name == "checkpoints/best.json":
+            CheckpointStore(run).mark_best(2, "eval_loss", 1.0)
+        else:
+            _fit(run, resume=True, max_steps=4, eval_every=2)
+    assert victim.read_text() == VICTIM
 
 
 # A write refused during a save, at the rank state file of step 4: the errno and what the message must say.

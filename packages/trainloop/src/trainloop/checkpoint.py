@@ -204,6 +204,7 @@ class CheckpointStore:
         """Point ``best.json`` at the checkpoint of ``step`` (which must exist), atomically (rank 0 only)."""
         data = {"step": step, "checkpoint": self.step_dir(step).name, "metric": metric, "value": value}
         tmp = self.root / f".{BEST_FILE}.tmp"
+        refuse_linked(self.root / BEST_FILE)
         _remove(tmp)
         with open_new(tmp) as f:
             f.write(json.dumps(data, indent=1) + "\n")
@@ -318,9 +319,38 @@ class WeightsFileError(CheckpointError, SafetensorError):
     callers of ``safetensors.torch.load_file`` already catch."""
 
 
-class LinkedFileError(CheckpointError):
+class LinkedFileError(OSError, CheckpointError):
     """A file a run would write is a symbolic link, has other hard links, or is not a regular file: writing through
-    it would change a file elsewhere, so it is refused (the message names the path and the fix)."""
+    it would change a file elsewhere, so it is refused (the message names the path and the fix). An ``OSError`` (no
+    errno) for callers that handle failed writes, and a ``CheckpointError`` for those that handle a run's refusals."""
+
+
+def refuse_linked(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`LinkedFileError` when ``path`` is a symbolic link, has other hard links or is not a regular file
+    (nothing when it does not exist): for writers that rename a temporary file over ``path``, which never writes
+    through a link but would silently replace one the user put there.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> refuse_linked(os.path.join(d.name, "run.json"))  # not there yet: fine
+        >>> os.symlink("/etc/hostname", os.path.join(d.name, "run.json"))
+        >>> refuse_linked(os.path.join(d.name, "run.json"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        trainloop.checkpoint.LinkedFileError: .../run.json: is a symbolic link; remove it ...
+        >>> d.cleanup()
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    fix = "remove it (a run writes only its own files), or write elsewhere"
+    if stat.S_ISLNK(st.st_mode):
+        raise LinkedFileError(f"{path}: is a symbolic link; {fix}")
+    if not stat.S_ISREG(st.st_mode):
+        raise LinkedFileError(f"{path}: is not a regular file; {fix}")
+    if st.st_nlink > 1:
+        raise LinkedFileError(f"{path}: has {st.st_nlink} hard links (the same file under other names); {fix}")
 
 
 def open_guarded(path: str | os.PathLike[str], mode: str = "w", *, append: bool = False) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainloop.checkpoint import open_guarded, open_new
+from trainloop.checkpoint import open_guarded, open_new, refuse_linked
 from trainloop.extras import MissingExtraError, import_extra
 
 # Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): the
@@ -144,7 +144,9 @@ def _describe_bad(bad: list[int]) -> str:
 
 def _replace_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves the old or the new file."""
+    refuse_linked(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
     try:
         with open_new(tmp) as f:
             f.write(text)

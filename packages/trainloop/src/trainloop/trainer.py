@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import sys
@@ -147,6 +148,12 @@ class Trainer:
         if eval_data is not None and not callable(eval_data):
             raise TypeError("eval_data must be a zero-argument callable returning an iterable of (inputs, targets)")
         json.dumps(extra_state or {})  # fail now, not at the first checkpoint
+        if bytes_per_token is not None and not (
+            isinstance(bytes_per_token, (int, float)) and not isinstance(bytes_per_token, bool)
+            and math.isfinite(bytes_per_token) and bytes_per_token > 0
+        ):  # fmt: skip
+            raise ConfigError(f"bytes_per_token={bytes_per_token!r}: expected a finite number > 0 (UTF-8 bytes per "
+                              "token of the evaluation text, for bits per byte) or None")  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.engine: Engine = make_engine(model, config, ds_config=ds_config)
         elif ds_config is not None:
