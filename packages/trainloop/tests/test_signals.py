@@ -166,3 +166,39 @@ def test_a_second_sigterm_after_fit_ends_the_process_as_before(tmp_path):
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish(timeout=60) == -signal.SIGTERM
     assert not _summaries(run)
+
+
+FORKED = """
+import multiprocessing, sys, time
+sys.path.insert(0, {tests!r})
+from tiny_model import SeqData, TinyLM
+from trainloop import TrainConfig, Trainer
+cfg = TrainConfig(lr=1e-2, max_steps=2, micro_batch=4, progress=False, tensorboard=False)
+Trainer(TinyLM(), cfg, SeqData(4), run_dir={run!r}).fit()
+ctx = multiprocessing.get_context("fork")
+started = ctx.Event()
+
+
+def work():
+    started.set()
+    time.sleep(120)
+
+
+child = ctx.Process(target=work)
+child.start()
+started.wait(60)  # a signal that arrives while the child is being forked is lost whatever its handler
+child.terminate()  # what Pool.terminate does to its workers
+child.join(60)
+print("CHILD", child.exitcode)
+child.kill()
+"""
+
+
+def test_a_process_forked_after_fit_still_ends_on_sigterm(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = FORKED.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert f"CHILD {-signal.SIGTERM}" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -173,20 +173,36 @@ class StopSignals:
     checkpoint is saved, and what the process still does (writing adapters, a summary) finishes, so a job that a
     scheduler or a launcher signals just then still exits 0 on every rank. That first SIGTERM is reported on stderr;
     a second one acts as it would have (the handler found before). A handler the program installed itself is put
-    back as it was.
+    back as it was, and :meth:`restore` (``Trainer.close()``) puts back the one found before in any case.
+
+    A process forked from this one (a multiprocessing pool's worker, which ``Pool.terminate`` ends with SIGTERM)
+    inherits these handlers: there they act as the handler found before, at once.
     """
 
     def __init__(self) -> None:
         self.received: str | None = None
         self.after_finish: str | None = None  # the signal that arrived once the run had finished, if any
-        self._installed = False
+        self._state = "none"  # "installed" (during fit), "deferring" (after it), "none"
+        self._pid = os.getpid()
+
+    def _forked(self, signum: int) -> bool:
+        """In a forked child: put the handler found before back and deliver the signal to it."""
+        if os.getpid() == self._pid:
+            return False
+        signal.signal(signum, _FOUND.get(signum, signal.SIG_DFL))
+        signal.raise_signal(signum)
+        return True
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._forked(signum):
+            return
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
 
     def _finished(self, signum: int, frame: Any) -> None:
+        if self._forked(signum):
+            return
         if self.after_finish is not None:  # the second one: as if we had never been there
             signal.signal(signum, _FOUND.get(signum, signal.SIG_DFL))
             signal.raise_signal(signum)
@@ -198,27 +214,28 @@ class StopSignals:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self._pid = os.getpid()
         for s in _SIGNALS:
             found = signal.signal(s, self._handle)
             if not isinstance(getattr(found, "__self__", None), StopSignals):  # not left by an earlier fit's finish
                 _FOUND[s] = found
-        self._installed = True
+        self._state = "installed"
 
     def finish(self) -> None:
         """The run is over: SIGINT gets its handler back; SIGTERM, where it had the default handler (which ends the
-        process with status -15), is deferred until the process ends (class docstring)."""
-        if not self._installed:
+        process with status -15), is deferred until the process ends or :meth:`restore` (class docstring)."""
+        if self._state != "installed":
             return
-        self._installed = False
+        self._state = "deferring"
         for s in _SIGNALS:
             found = _FOUND.get(s, signal.SIG_DFL)
             signal.signal(s, self._finished if s == signal.SIGTERM and found in (signal.SIG_DFL, None) else found)
 
     def restore(self) -> None:
-        """Put back the handlers found before :meth:`install` (a run that failed)."""
-        if not self._installed:
+        """Put back the handlers found before :meth:`install` (a run that failed, or ``Trainer.close()``)."""
+        if self._state == "none" or threading.current_thread() is not threading.main_thread():
             return
-        self._installed = False
+        self._state = "none"
         for s in _SIGNALS:
             signal.signal(s, _FOUND.get(s, signal.SIG_DFL))
 

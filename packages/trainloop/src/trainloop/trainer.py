@@ -207,8 +207,11 @@ class Trainer:
 
     def close(self) -> None:
         """Destroy the process group this Trainer set up (a no-op for one the caller initialised, or when called
-        twice). Call it, or use the Trainer in a ``with`` block, once the run's collectives are over; a script that
-        never does gets the same at exit (:func:`trainloop.distributed.teardown_distributed`)."""
+        twice), and give SIGTERM back the handler it had before ``fit()`` (after ``fit()`` a first SIGTERM only lets
+        the process finish: :class:`trainloop.faults.StopSignals`). Call it, or use the Trainer in a ``with`` block,
+        once the run's collectives are over; a script that never does gets the process group's teardown at exit
+        (:func:`trainloop.distributed.teardown_distributed`)."""
+        self._signals.restore()
         teardown_distributed()
 
     def __enter__(self) -> Trainer:
