@@ -202,3 +202,30 @@ def test_a_process_forked_after_fit_still_ends_on_sigterm(tmp_path):
     script = FORKED.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert f"CHILD {-signal.SIGTERM}" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+POOLS = """
+import multiprocessing, sys
+sys.path.insert(0, {tests!r})
+from tiny_model import SeqData, TinyLM
+from trainloop import TrainConfig, Trainer
+cfg = TrainConfig(lr=1e-2, max_steps=2, micro_batch=4, progress=False, tensorboard=False)
+Trainer(TinyLM(), cfg, SeqData(4), run_dir={run!r}).fit()
+for i in range(60):  # Pool.__exit__ terminates the workers, some of them still starting
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(abs, [-1])
+print("POOLS DONE")
+"""
+
+
+def test_pools_made_after_fit_terminate_while_their_workers_start(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = POOLS.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"))
+    try:  # a worker that lost its SIGTERM while starting makes Pool.join wait forever
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pool made after fit() never finished terminating")
+    assert "POOLS DONE" in proc.stdout, proc.stdout + proc.stderr[-3000:]

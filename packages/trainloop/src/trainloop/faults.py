@@ -214,6 +214,7 @@ class StopSignals:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        _watch_forks()
         self._pid = os.getpid()
         for s in _SIGNALS:
             found = signal.signal(s, self._handle)
@@ -243,3 +244,39 @@ class StopSignals:
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The handlers the process had before any StopSignals installed its own.
 _FOUND: dict[int, Any] = {}
+# Forks while a StopSignals handler is installed: the signals are blocked across fork(), and the child gets the
+# handlers found before, then its mask back. A Python handler alone would not do: a signal that reaches the child
+# while it starts is dropped with Python's pending signals after the fork, and a pool worker that Pool.terminate
+# signals just then would live on (and Pool.join wait for it forever).
+_MASK_BEFORE_FORK: list[set[int]] = []
+_FORKS_WATCHED = False
+
+
+def _ours_installed() -> bool:
+    return any(isinstance(getattr(signal.getsignal(s), "__self__", None), StopSignals) for s in _SIGNALS)
+
+
+def _before_fork() -> None:
+    if _ours_installed():
+        _MASK_BEFORE_FORK.append(set(signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)))
+
+
+def _after_fork_in_parent() -> None:
+    if _MASK_BEFORE_FORK:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE_FORK.pop())
+
+
+def _after_fork_in_child() -> None:
+    if _MASK_BEFORE_FORK:
+        for s in _SIGNALS:
+            if isinstance(getattr(signal.getsignal(s), "__self__", None), StopSignals):
+                signal.signal(s, _FOUND.get(s, signal.SIG_DFL))
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE_FORK.pop())
+
+
+def _watch_forks() -> None:
+    global _FORKS_WATCHED
+    if not _FORKS_WATCHED and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                            after_in_child=_after_fork_in_child)  # fmt: skip
+        _FORKS_WATCHED = True
