@@ -1,6 +1,7 @@
 """No write of a command goes through a link: a `.lmtrain.lock` that is a hard link (which O_NOFOLLOW does not stop)
 or a symbolic link is refused before it is emptied, for every command that takes the lock; `prepare --out D` whose
-tokenizer.model or tokenizer.vocab (written by SentencePiece itself) is a link leaves the linked file as it was."""
+outputs (tokenizer.model and tokenizer.vocab, which SentencePiece writes itself, the token files, val.txt, meta.json)
+are links is refused before any work and leaves the linked file as it was."""
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def test_every_command_that_locks_refuses_a_linked_lock(run, tmp_path, capsys, c
 
 
 @pytest.mark.parametrize("make", [k[1] for k in LINKS[:2]], ids=[k[0] for k in LINKS[:2]])
-@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer.vocab"])
-def test_prepare_never_writes_the_tokenizer_through_a_link(run, tmp_path, capsys, name, make):
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer.vocab", "train.bin", "val.txt", "meta.json"])
+def test_prepare_never_writes_an_output_through_a_link(run, tmp_path, capsys, name, make):
     out = tmp_path / "data"
     out.mkdir()
     victim = tmp_path / "victim.txt"
