@@ -10,7 +10,9 @@ evaluation so far.
 Every state file the toolkit itself writes loads with ``torch.load(weights_only=True)``: a checkpoint cannot run
 code through them. DeepSpeed's own files (the ``deepspeed/`` subdirectory) are read the same way, with the few
 DeepSpeed classes they hold allowed (trainloop.deepspeed_compat.safe_load). A run directory whose members link
-outside it is refused (refuse_outside_links), and the files a run writes are never opened through a link.
+outside it is refused (refuse_outside_links), and the files a run writes are never written through a link: a
+symbolic link, a file with other hard links or a non-regular file in their place is refused (open_guarded,
+refuse_linked) before anything is emptied or replaced.
 """
 
 from __future__ import annotations
