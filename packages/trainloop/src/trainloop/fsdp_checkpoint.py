@@ -212,11 +212,12 @@ def dcp_failure(exc: BaseException, where: Path) -> str:
     mine = re.search(r"(/\S+: refused to load .*?|/\S+: (holds|storage entry) .*?)(; rank|$)", text)
     if mine:
         return mine.group(1)
-    reason = text[:200] or type(exc).__name__
-    return (
-        f"{where}: unreadable sharded checkpoint ({type(exc).__name__}: {reason}); it was damaged or altered: "
-        "resume from another checkpoint"
-    )
+    # The error a rank met (a torch.load of damaged bytes, say), not torch's wrapper with its tracebacks.
+    cause = next((e for e in seen if getattr(e, "failures", None) is None), exc)
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    reason = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+    fix = "it was damaged or altered: resume from another checkpoint"
+    return f"{where}: unreadable sharded checkpoint ({reason}); {fix}"
 
 
 def broadcast_state(tree: Any, src: int = 0) -> Any:
