@@ -87,6 +87,15 @@ CASES = [
     ("missing token file", ["info", "{tmp}/nope.bin"], ["nope.bin: no such file"]),
     ("wrong tokenizer", ["verify", "{good_bin}", "--tokenizer", "{other}", "--quiet"],
      ["good.bin: tokenizer mismatch", "other.model"]),
+    ("piece of a terabyte", ["encode", "--tokenizer", "{model}", "--input", "{good}", "--output", "{out}",
+                             "--piece-kb", str(2**40)], ["--piece-kb must be in [1, 1048576]", f"got {2**40}"]),
+    *[(f"stats bucket {b}", ["stats", "{good_bin}", "--buckets", "256", b],
+       [f"buckets: expected lengths in tokens >= 1, got {b}"]) for b in ("-5", "0")],
+]  # fmt: skip
+ZSTD_CASES = [
+    *[(f"damaged zstd: {name}", ["encode", "--tokenizer", "{model}", "--input", f"{{{name}}}", "--output", "{out}"],
+       [f"{name}.txt.zst: damaged zstd data after", "expected a whole zstd file"])
+      for name in ("truncated_zst", "header_zst")],
 ]  # fmt: skip
 PARQUET_CASES = [
     ("missing Parquet column", ["encode", "--tokenizer", "{model}", "--input", "{parquet}", "--output", "{out}",
@@ -154,6 +163,11 @@ def files(tmp_path_factory, lossless_model, other_model, corpus):
     else:
         paths["parquet"] = tmp / "t.parquet"
         pq.write_table(pa.table({"body": ["a", None]}), paths["parquet"])
+        with pa.output_stream(str(tmp / "whole.txt.zst"), compression="zstd") as f:
+            f.write(corpus.read_bytes())
+        packed = (tmp / "whole.txt.zst").read_bytes()
+        paths["truncated_zst"] = put("truncated_zst.txt.zst", packed[: len(packed) // 2])
+        paths["header_zst"] = put("header_zst.txt.zst", packed[:6] + bytes(54) + packed[60:])
     return paths
 
 
@@ -175,6 +189,13 @@ def test_bad_input_is_one_line(argv, words, files, capsys):
 def test_bad_parquet_input_is_one_line(argv, words, files, capsys):
     if "parquet" not in files:
         pytest.skip("Parquet input needs pyarrow (the parquet extra)")
+    _check(argv, words, files, capsys)
+
+
+@pytest.mark.parametrize(("argv", "words"), [c[1:] for c in ZSTD_CASES], ids=[c[0] for c in ZSTD_CASES])
+def test_damaged_zstd_input_is_one_line(argv, words, files, capsys):
+    if "truncated_zst" not in files:
+        pytest.skip("zstd input needs pyarrow (the parquet extra)")
     _check(argv, words, files, capsys)
 
 

@@ -133,3 +133,99 @@ def test_second_sigint_stops_at_once(tmp_path, fault):
     else:  # a second Ctrl-C taken as the first: the run finishes the batch, saves, exits 0; the check fails on it
         with pytest.raises(AssertionError):
             _sigint_twice(tmp_path, fault)
+
+
+# SIGTERM once fit() has returned: the run is finished and its checkpoint saved; what the script still does (here,
+# 6 s of finishing work) must complete, and the process exit 0, alone and as rank 1 of 2 (torchrun then reports the
+# job as failed if that rank died of the signal).
+AFTER_FIT = [("alone", 1, 0), ("rank 1 of 2", 2, 1)]
+
+
+@pytest.mark.parametrize(("nproc", "rank"), [c[1:] for c in AFTER_FIT], ids=[c[0] for c in AFTER_FIT])
+def test_sigterm_after_fit_lets_the_script_finish_and_exit_zero(tmp_path, nproc, rank):
+    run = _start({"run_dir": str(tmp_path), "max_steps": 3, "after_fit_s": 6.0}, nproc=nproc)
+    pid = int(run.wait_for(f"PID {rank} ", start=True).split()[2])
+    run.wait_for(f"FINISHED {rank}", start=True)
+    os.kill(pid, signal.SIGTERM)
+    code = run.finish(timeout=120)
+    assert code == 0, (code, run.output()[-4000:])
+    summaries = _summaries(run)
+    assert set(summaries) == set(range(nproc)) and all(s["step"] == 3 for s in summaries.values()), run.output()
+    assert all(s["stopped"] is None for s in summaries.values())  # the run ended as planned
+    assert "SIGTERM after the run finished" in "".join(run.err_lines)
+    assert verify_checkpoint(CheckpointStore(tmp_path).step_dir(3), verify="full") is None
+
+
+def test_a_second_sigterm_after_fit_ends_the_process_as_before(tmp_path):
+    run = _start({"run_dir": str(tmp_path), "max_steps": 3, "after_fit_s": 60.0})
+    run.wait_for("FINISHED 0", start=True)
+    run.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while "SIGTERM after the run finished" not in "".join(run.err_lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=60) == -signal.SIGTERM
+    assert not _summaries(run)
+
+
+FORKED = """
+import multiprocessing, sys, time
+sys.path.insert(0, {tests!r})
+from tiny_model import SeqData, TinyLM
+from trainloop import TrainConfig, Trainer
+cfg = TrainConfig(lr=1e-2, max_steps=2, micro_batch=4, progress=False, tensorboard=False)
+Trainer(TinyLM(), cfg, SeqData(4), run_dir={run!r}).fit()
+ctx = multiprocessing.get_context("fork")
+started = ctx.Event()
+
+
+def work():
+    started.set()
+    time.sleep(120)
+
+
+child = ctx.Process(target=work)
+child.start()
+started.wait(60)  # a signal that arrives while the child is being forked is lost whatever its handler
+child.terminate()  # what Pool.terminate does to its workers
+child.join(60)
+print("CHILD", child.exitcode)
+child.kill()
+"""
+
+
+def test_a_process_forked_after_fit_still_ends_on_sigterm(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = FORKED.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert f"CHILD {-signal.SIGTERM}" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+POOLS = """
+import multiprocessing, sys
+sys.path.insert(0, {tests!r})
+from tiny_model import SeqData, TinyLM
+from trainloop import TrainConfig, Trainer
+cfg = TrainConfig(lr=1e-2, max_steps=2, micro_batch=4, progress=False, tensorboard=False)
+Trainer(TinyLM(), cfg, SeqData(4), run_dir={run!r}).fit()
+for i in range(60):  # Pool.__exit__ terminates the workers, some of them still starting
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.map(abs, [-1])
+print("POOLS DONE")
+"""
+
+
+def test_pools_made_after_fit_terminate_while_their_workers_start(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = POOLS.format(tests=str(Path(__file__).parent), run=str(tmp_path / "run"))
+    try:  # a worker that lost its SIGTERM while starting makes Pool.join wait forever
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pool made after fit() never finished terminating")
+    assert "POOLS DONE" in proc.stdout, proc.stdout + proc.stderr[-3000:]

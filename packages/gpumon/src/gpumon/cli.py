@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from gpumon.monitor import Monitor
 from gpumon.nvml_devices import NVMLUnavailable
-from gpumon.recording import Recording, RecordingError, recording_path
+from gpumon.recording import Recording, RecordingError, open_output, recording_path
 from gpumon.reports import DISPLAY, summarize_recording
 
 
@@ -222,8 +222,10 @@ def _record_path(args: argparse.Namespace) -> Path | str:
                 return f"cannot --append: {exc}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a"):  # writable, and nothing truncated yet
+        with open_output(out, "a"):  # writable, never through a link, and nothing truncated yet
             pass
+    except RecordingError as exc:
+        return f"cannot write -o {out}: {exc}"
     except OSError as exc:
         return f"cannot write -o {out}: {exc.strerror or exc}"
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gpumon.recording import Recording
+from gpumon.recording import Recording, open_output
 
 # (panel title, column suffix, divisor to display units)
 PANELS = [
@@ -108,5 +108,10 @@ def plot_recording(path: str | os.PathLike[str], out: str | os.PathLike[str]) ->
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    kind = out.suffix.lstrip(".").lower() or "png"
+    if kind not in fig.canvas.get_supported_filetypes():  # before the file is created, as savefig(path) does
+        raise ValueError(f"Format {kind!r} is not supported (supported formats: "
+                         f"{', '.join(sorted(fig.canvas.get_supported_filetypes()))})")  # fmt: skip
+    with open_output(out, "wb") as f:  # never through a link
+        fig.savefig(f, dpi=100, format=kind)
     return out

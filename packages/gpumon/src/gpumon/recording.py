@@ -25,6 +25,7 @@ times), and the columns must be the same. A writer never truncates a recording u
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import itertools
 import json
@@ -32,6 +33,7 @@ import math
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -94,6 +96,48 @@ def recording_path(directory: str | os.PathLike[str], name: str = "gpumon", *, h
     raise AssertionError("unreachable")
 
 
+def open_output(path: str | os.PathLike[str], mode: str = "w", **text_options: Any) -> IO[Any]:
+    """``path`` opened for writing ("w" empties it, "a" appends, "x" creates it; "wb" in binary), never through a
+    link: a symbolic link, a file with other hard links (which emptying or appending would change under its other
+    names) or anything but a regular file is a RecordingError (one line) before anything is written.
+    ``text_options`` go to ``open`` (``newline``, ``buffering``).
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> theirs, mine = os.path.join(d.name, "notes.txt"), os.path.join(d.name, "gpu.csv")
+        >>> _ = open(theirs, "w").write("keep me")
+        >>> os.link(theirs, mine)
+        >>> open_output(mine)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        gpumon.recording.RecordingError: .../gpu.csv: has 2 hard links ...
+        >>> d.cleanup()
+    """
+    flags = {"w": os.O_WRONLY | os.O_CREAT, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+             "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode[0]]  # fmt: skip
+    fix = "remove it, or write elsewhere"
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RecordingError(f"{path}: is a symbolic link: a recording is written only as a file of its own; "
+                                 f"{fix}") from None  # fmt: skip
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordingError(f"{path}: is not a regular file; {fix}")
+        if st.st_nlink > 1:
+            raise RecordingError(f"{path}: has {st.st_nlink} hard links (the same file under other names); {fix}")
+        os.set_blocking(fd, True)
+        if mode[0] == "w":
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return open(fd, mode.replace("x", "w"), **text_options)  # noqa: SIM115 (the caller closes it)
+
+
 class RecordingWriter:
     """Appends rows to a recording; the sampler is its only user.
 
@@ -123,7 +167,7 @@ class RecordingWriter:
         else:
             # "x" where there was no file: a writer that appeared meanwhile is never truncated
             mode = "w" if if_exists == "overwrite" or self.path.exists() else "x"
-            self._file = open(self.path, mode, newline="", buffering=1 << 16)  # noqa: SIM115 (closed in close())
+            self._file = open_output(self.path, mode, newline="", buffering=1 << 16)  # closed in close()
             self._file.write(MAGIC + json.dumps(meta, sort_keys=True) + "\n")
             csv.writer(self._file, lineterminator="\n").writerow(FIXED + columns)
         self._write = self._file.write
@@ -146,7 +190,7 @@ class RecordingWriter:
         with open(self.path, "rb") as f:
             f.seek(-1, io.SEEK_END)
             torn = f.read(1) != b"\n"  # the last line of a run that crashed mid-write
-        file = open(self.path, "a", newline="", buffering=1 << 16)  # noqa: SIM115 (closed in close())
+        file = open_output(self.path, "a", newline="", buffering=1 << 16)  # closed in close()
         file.write(("\n" if torn else "") + MAGIC + json.dumps(meta, sort_keys=True) + "\n")
         file.write(f"{self.offset:.6f},segment,,\n")
         return file

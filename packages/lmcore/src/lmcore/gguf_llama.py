@@ -24,6 +24,7 @@ import torch
 
 from lmcore.config import ModelConfig
 from lmcore.extras import import_extra
+from lmcore.file_writes import refuse_linked
 from lmcore.gguf_mpt import DTYPES, GGUFVocab, add_vocab, check_vocab, write_tensors
 from lmcore.hf_llama import hf_mismatches
 
@@ -171,6 +172,7 @@ def write_gguf_llama(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     check_vocab(vocab, config.vocab_size)
+    refuse_linked(path)  # GGUFWriter opens the path itself, and would write through a link there
     writer = gguf.GGUFWriter(path, arch)
     if name:
         writer.add_name(name)

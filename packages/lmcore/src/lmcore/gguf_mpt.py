@@ -15,14 +15,17 @@ llama.cpp's own converter does for its "f16" file type.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcore.config import ModelConfig
 from lmcore.extras import import_extra
+from lmcore.file_writes import refuse_linked
 
 if TYPE_CHECKING:
     from lmcore.model import GPT
@@ -121,6 +124,25 @@ def gguf_tensors(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
+def short_write_error(exc: OSError, path: Path) -> OSError:
+    """numpy's ``tofile`` (GGUFWriter's tensor writes) reports a write the filesystem cut short as ``OSError("N
+    requested and M written")``, without an errno: give it the errno of the likely cause, the file size limit
+    (EFBIG) when the file reached it, else a full disk (ENOSPC), with the path, so callers can say which."""
+    if exc.errno is not None:
+        return exc
+    import errno
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    if limit != resource.RLIM_INFINITY and size >= limit:
+        return OSError(errno.EFBIG, f"File too large (the file size limit, ulimit -f, is {limit} bytes)", str(path))
+    return OSError(errno.ENOSPC, f"No space left on device ({exc})", str(path))
+
+
 def write_gguf(
     model: GPT,
     path: str | os.PathLike,
@@ -152,6 +174,7 @@ def write_gguf(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     check_vocab(vocab, config.vocab_size)
+    refuse_linked(path)  # GGUFWriter opens the path itself, and would write through a link there
     writer = gguf.GGUFWriter(path, ARCH)
     if name:
         writer.add_name(name)
@@ -218,5 +241,8 @@ def write_tensors(writer: Any, tensors: dict[str, torch.Tensor], dtype: str) -> 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
+    except OSError as exc:
+        raise short_write_error(exc, Path(path)) from None
     finally:
-        writer.close()
+        with contextlib.suppress(OSError):  # its flush repeats the failed write; the first error is the one to say
+            writer.close()

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from safetensors.torch import save_file
+from lmcore.file_writes import write_safetensors, write_text
 
 if TYPE_CHECKING:
     from lmcore.model import GPT
@@ -33,6 +33,7 @@ SOURCE_FILES = {
     "alibi_kernels.attention_torch": "alibi_kernels_attention_torch",
     "lmcore.config": "lmcore_config",
     "lmcore.documents": "lmcore_documents",
+    "lmcore.file_writes": "lmcore_file_writes",
     "lmcore.init_schemes": "lmcore_init_schemes",
     "lmcore.lora": "lmcore_lora",
     "lmcore.pretrained": "lmcore_pretrained",
@@ -169,7 +170,7 @@ def write_custom_code(directory: str | Path) -> list[str]:
     files["configuration_lmcore.py"] = CONFIGURATION % {"model_type": MODEL_TYPE}
     files["modeling_lmcore.py"] = MODELING
     for name, text in files.items():
-        (directory / name).write_text(text)
+        write_text(directory / name, text)
     return sorted(files)
 
 
@@ -201,7 +202,7 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
     tensors = {f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, directory / "model.safetensors", {"format": "pt"})
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     config = {
         "architectures": ["LmcoreForCausalLM"],
@@ -217,5 +218,5 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
         "dtype": dtype,
         **(extra_config or {}),
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory

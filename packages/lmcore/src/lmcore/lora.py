@@ -6,17 +6,20 @@ computes exactly what the base model does until B is trained.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
+
+from lmcore.file_writes import write_safetensors
 
 # Short target names -> the attribute names of the linear layers in lmcore.model.
 TARGET_MODULES = {
@@ -31,6 +34,7 @@ TARGET_MODULES = {
 DEFAULT_TARGETS = ("q", "k", "v", "o")
 # What save_lora and save_pretrained record of the adapters, in the weights file's metadata.
 SETTINGS_FIELDS = ("targets", "r", "alpha", "dropout")
+BASE_METADATA = "lora_base_sha256"  # save_lora: base_fingerprint() of the weights the adapters were trained on
 
 # apply_lora, merge_lora and load_lora change a model in place and return it: the caller's type comes back.
 M = TypeVar("M", bound=nn.Module)
@@ -99,6 +103,8 @@ def apply_lora(
     """
     if not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r must be a positive int, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"LoRA alpha must be a finite number > 0 (the update is scaled alpha / r), got {alpha!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     if lora_modules(model):
@@ -112,13 +118,47 @@ def apply_lora(
     ]
     if not found:
         raise ValueError(f"no linear layer named {sorted(wanted)} in the model (swiglu-only 'gate'?)")
+    base = base_fingerprint(model)
     for p in model.parameters():
         p.requires_grad_(False)
     for parent, attr in found:
         setattr(parent, attr, LoRALinear(getattr(parent, attr), r, alpha, dropout))
     # torch annotates nn.Module.__setattr__'s value as Tensor | Module; any other value is a plain attribute.
     model.lora_settings = {"targets": sorted(wanted), "r": r, "alpha": alpha, "dropout": dropout}  # type: ignore[assignment]
+    model.lora_base_sha256 = base  # type: ignore[assignment]
     return model
+
+
+def base_fingerprint(model: nn.Module) -> str | None:
+    """SHA-256 of the base weights the adapters of ``model`` sit on (all parameters but the adapters', by their
+    names without LoRA's ``.base``, in order), rounded to bfloat16 so that a base loaded in fp32 or bf16 is the same
+    base; None for a quantized base (NF4 weights are not the weights the adapters were trained on top of).
+
+    Example:
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> _ = torch.manual_seed(0); a = GPT(ModelConfig.from_preset("tiny"))
+        >>> _ = torch.manual_seed(0); b = GPT(ModelConfig.from_preset("tiny"))
+        >>> base_fingerprint(a) == base_fingerprint(apply_lora(b, r=4)) == base_fingerprint(a.to(torch.bfloat16))
+        True
+    """
+    if any(type(m).__name__ == "NF4Linear" for m in model.modules()):
+        return None
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        t = p.detach()
+        full = getattr(t, "full_tensor", None)  # a DTensor shard: the whole weight (a collective)
+        t = (full() if full is not None else t).to("cpu", torch.bfloat16).contiguous()
+        h.update(f"{name.replace('.base.', '.')}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _non_finite(tensors: dict[str, Tensor]) -> str | None:
+    """The name of the first tensor holding NaN or inf, or None."""
+    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
 @torch.no_grad()
@@ -139,6 +179,14 @@ def merge_lora(model: M) -> M:
     adapters = lora_modules(model)
     if not adapters:
         raise ValueError("model has no LoRA adapters to merge")
+    bad = _non_finite({f"{n}.{part}": getattr(a, part) for n, a in adapters.items() for part in ("lora_A", "lora_B")})
+    if bad is not None:
+        raise ValueError(f"LoRA adapter {bad} holds NaN or inf values: merging would ruin the base weights; merge "
+                         "adapters from an earlier checkpoint (a diverged fine-tune)")  # fmt: skip
+    recorded = getattr(model, "lora_base_sha256", None)
+    if recorded is not None and (now := base_fingerprint(model)) is not None and now != recorded:
+        raise ValueError(f"the base weights changed since the adapters were put on them (sha256 {recorded[:12]}... "
+                         f"then, {now[:12]}... now): merge them into the base they were trained on")  # fmt: skip
     for name, adapter in adapters.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -147,6 +195,7 @@ def merge_lora(model: M) -> M:
     for p in model.parameters():
         p.requires_grad_(True)
     model.__dict__.pop("lora_settings", None)
+    model.__dict__.pop("lora_base_sha256", None)
     return model
 
 
@@ -193,8 +242,11 @@ def save_lora(model: nn.Module, path: str | os.PathLike[str], tensors: dict[str,
     tensors = lora_state(model) if tensors is None else tensors
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"lora_settings": json.dumps(model.lora_settings)})
-    return path
+    metadata = {"lora_settings": json.dumps(model.lora_settings)}
+    base = getattr(model, "lora_base_sha256", None)
+    if base is not None:
+        metadata[BASE_METADATA] = base
+    return write_safetensors(tensors, path, metadata)
 
 
 def read_lora_settings(text: str, where: str | os.PathLike[str]) -> dict[str, Any]:
@@ -251,12 +303,20 @@ def load_lora(model: M, path: str | os.PathLike[str]) -> M:
         >>> out.cleanup()
     """
     path = Path(path)
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-        if "lora_settings" not in metadata:
-            raise ValueError(f"{path} has no lora_settings metadata: not a save_lora() file")
-        settings = read_lora_settings(metadata["lora_settings"], path)
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            if "lora_settings" not in metadata:
+                raise ValueError(f"{path} has no lora_settings metadata: not a save_lora() file")
+            settings = read_lora_settings(metadata["lora_settings"], path)
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
+    except SafetensorError as exc:  # a pickle, or any other file under the name: never unpickled
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); expected adapters from save_lora") from None
+    bad = _non_finite(tensors)
+    if bad is not None:
+        raise ValueError(f"{path}: {bad} holds NaN or inf values: these adapters would ruin the model; use adapters "
+                         "from an earlier checkpoint (a diverged fine-tune)")  # fmt: skip
+    check_lora_base(model, metadata.get(BASE_METADATA), path)
     if not lora_modules(model):
         apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"])
     params = {n: p for n, p in model.named_parameters() if "lora_" in n}
@@ -270,3 +330,29 @@ def load_lora(model: M, path: str | os.PathLike[str]) -> M:
                 raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, the model has {want}")
             params[key].copy_(tensor)
     return model
+
+
+def check_lora_base(model: nn.Module, recorded: str | None, where: str | os.PathLike[str]) -> None:
+    """Refuse (ValueError, one line) adapters recorded as trained on another base than ``model``'s; adapters that
+    record no base (written before the record existed) load with a warning, and a quantized base cannot be checked.
+
+    Example:
+        >>> import torch
+        >>> from lmcore import GPT, ModelConfig
+        >>> _ = torch.manual_seed(0); base = GPT(ModelConfig.from_preset("tiny"))
+        >>> check_lora_base(base, base_fingerprint(base), "a.safetensors")  # the same base: fine
+        >>> _ = torch.manual_seed(1); other = GPT(ModelConfig.from_preset("tiny"))
+        >>> check_lora_base(other, base_fingerprint(base), "a.safetensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: a.safetensors: these adapters were trained on another base (weights sha256 ...
+    """
+    if recorded is None:
+        warnings.warn(f"{where}: the adapters record no base model (written by an earlier version): whether they were "
+                      "trained on this base cannot be checked", stacklevel=3)  # fmt: skip
+        return
+    now = base_fingerprint(model)
+    if now is not None and now != recorded:
+        raise ValueError(
+            f"{where}: these adapters were trained on another base (weights sha256 {recorded[:12]}..., this model's "
+            f"{now[:12]}...): load them on the checkpoint they were fine-tuned from"
+        )

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from lmcore.config import ModelConfig
-from lmcore.lora import apply_lora, lora_modules, read_lora_settings
+from lmcore.file_writes import write_safetensors, write_text
+from lmcore.lora import apply_lora, base_fingerprint, lora_modules, read_lora_settings
 
 if TYPE_CHECKING:
     from lmcore.model import GPT
@@ -73,8 +73,8 @@ def save_pretrained(model: GPT, directory: str | Path, state_dict: dict[str, tor
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata=metadata)
-    (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    write_safetensors(tensors, directory / WEIGHTS_NAME, metadata)
+    write_text(directory / CONFIG_NAME, json.dumps(model.config.to_dict(), indent=2) + "\n")
     return directory
 
 
@@ -132,4 +132,6 @@ def load_pretrained(cls: type[GPT], directory: str | Path, map_location: str | t
                              "or float16) as save_pretrained writes")  # fmt: skip
     model.to(device=map_location, dtype=weights["embed_tokens.weight"].dtype)  # keep the saved precision
     model.load_state_dict(weights, strict=False)  # lm_head.weight is tied, everything else was checked above
+    if lora_modules(model):  # the base the adapters sit on is the one just loaded, not the one they were applied to
+        model.lora_base_sha256 = base_fingerprint(model)  # type: ignore[assignment]
     return model

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import WRITE_ERRNOS, LmtrainError, write_failure_message
 
 
 def import_gguf() -> Any:
@@ -67,4 +67,9 @@ def write_run_gguf(
             f"--format gguf: the model's vocab_size {model.config.vocab_size} is not the tokenizer's "
             f"{sp.get_piece_size()} pieces; GGUF needs one token per embedding row"
         )
-    write_gguf(model, file, gguf_vocab(sp, document_start), context_length=context, dtype=gguf_type)
+    try:
+        write_gguf(model, file, gguf_vocab(sp, document_start), context_length=context, dtype=gguf_type)
+    except OSError as exc:  # lmcore gives a write cut short its errno (a full disk, the file size limit)
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        raise LmtrainError(f"--format gguf: {write_failure_message(exc, str(file))}") from None

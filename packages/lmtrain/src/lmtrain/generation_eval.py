@@ -11,13 +11,17 @@ name, for blind rating. sacrebleu and rouge-score are the ``eval`` extra.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import math
 import os
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import WRITE_ERRNOS, LmtrainError, refuse_output_over_input, write_failure_message
 
 
 def require_scorers() -> tuple[Any, Any]:
@@ -34,43 +38,63 @@ def require_scorers() -> tuple[Any, Any]:
 
 
 def read_prompts(path: str | os.PathLike) -> list[tuple[tuple[tuple[str, str], ...] | str, str]]:
-    """(prompt, reference) per line: the prompt as chat turns (ending before the reference's assistant turn) or as
-    plain text (a ``prompt`` field with a ``reference``). A line without a reference is one LmtrainError."""
+    """(prompt, reference) per line: the prompt as chat turns (ending before the reference's assistant turn, or all
+    of them when a ``reference`` field holds the answer, the layout of most held-out sets) or as plain text (a
+    ``prompt`` field with a ``reference``). A line without a reference, text that is not UTF-8 JSON, and JSON nested
+    too deeply are one LmtrainError naming the file and line."""
     from lmtrain.chat import _open_text, parse_sample
+    from lmtrain.text_codec import load_json_line
 
     path = Path(path)
     if not path.is_file():
         raise LmtrainError(f"--prompts {path}: no such file: expected JSONL prompts with references")
     out: list[tuple[tuple[tuple[str, str], ...] | str, str]] = []
-    with _open_text(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LmtrainError(f"{where}: expected a JSON object, found text that is not JSON ({exc.msg}); fix "
-                                   "or remove the line") from None  # fmt: skip
-            if isinstance(obj, dict) and "prompt" in obj and "reference" in obj:
-                if not isinstance(obj["prompt"], str) or not isinstance(obj["reference"], str):
-                    raise LmtrainError(f"{where}: prompt and reference: expected strings; fix the line")
-                out.append((obj["prompt"], obj["reference"]))
-                continue
-            if isinstance(obj, dict) and "prompt" in obj and "response" not in obj:
-                raise LmtrainError(f"{where}: expected a reference answer ('reference', 'response', or a final "
-                                   f"assistant turn), found keys {sorted(obj)[:6]}; add the reference")  # fmt: skip
-            if isinstance(obj, dict) and "messages" in obj:
-                messages = obj["messages"]
-                if isinstance(messages, list) and (not messages or not isinstance(messages[-1], dict)
-                                                   or messages[-1].get("role") != "assistant"):  # fmt: skip
-                    raise LmtrainError(f"{where}: expected the last message to be the assistant's reference answer, "
-                                       "found none; add the reference as a final assistant turn")  # fmt: skip
-            turns, _ = parse_sample(line, where)
-            out.append((turns[:-1], turns[-1][1]))
+    number = 0
+    try:
+        with _open_text(path) as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(_prompt_of(line, f"{path} line {number}", load_json_line, parse_sample))
+    except (UnicodeDecodeError, EOFError, zlib.error) as exc:
+        raise LmtrainError(f"--prompts {path}: unreadable after line {number} ({type(exc).__name__}: {exc}): expected "
+                           "UTF-8 JSONL, plain or gzip") from None  # fmt: skip
     if not out:
         raise LmtrainError(f"--prompts {path}: no prompts: expected one JSON object per line")
     return out
+
+
+def _prompt_of(line: str, where: str, load: Any, parse_sample: Any) -> tuple[tuple[tuple[str, str], ...] | str, str]:
+    obj = load(line, where)
+    if isinstance(obj, dict) and "reference" in obj and ("prompt" in obj or "messages" in obj):
+        if not isinstance(obj["reference"], str):
+            raise LmtrainError(f"{where}: reference: expected a string, found {type(obj['reference']).__name__}; "
+                               "fix the line")  # fmt: skip
+        if "prompt" in obj:
+            if not isinstance(obj["prompt"], str):
+                raise LmtrainError(f"{where}: prompt and reference: expected strings; fix the line")
+            return obj["prompt"], obj["reference"]
+        messages = obj["messages"]
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict) and \
+                messages[-1].get("role") == "assistant":  # fmt: skip
+            raise LmtrainError(f"{where}: both a final assistant turn and a 'reference': expected one reference "
+                               "answer; drop one of them")  # fmt: skip
+        if not obj["reference"].strip():
+            raise LmtrainError(f"{where}: reference: expected the answer text, found an empty string; fix the line")
+        # The chat turns are checked as a fine-tuning sample's are, with the reference as the answer to come.
+        answer = {"role": "assistant", "content": obj["reference"]}
+        turns, _ = parse_sample(json.dumps({"messages": [*messages, answer]}), where)
+        return turns[:-1], obj["reference"]
+    if isinstance(obj, dict) and "prompt" in obj and "response" not in obj:
+        raise LmtrainError(f"{where}: expected a reference answer ('reference', 'response', or a final assistant "
+                           f"turn), found keys {sorted(obj)[:6]}; add the reference")  # fmt: skip
+    if isinstance(obj, dict) and "messages" in obj:
+        messages = obj["messages"]
+        if isinstance(messages, list) and (not messages or not isinstance(messages[-1], dict)
+                                           or messages[-1].get("role") != "assistant"):  # fmt: skip
+            raise LmtrainError(f"{where}: expected the last message to be the assistant's reference answer, or a "
+                               "'reference' field, found neither; add the reference")  # fmt: skip
+    turns, _ = parse_sample(json.dumps(obj), where)
+    return turns[:-1], turns[-1][1]
 
 
 def score(generations: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -81,14 +105,17 @@ def score(generations: Sequence[str], references: Sequence[str]) -> dict[str, An
         >>> result = score(["return a + b", "x = 1"], ["return a + b", "x = 2"])
         >>> result["exact_match"], result["count"], result["rougeL_f1"]  # ROUGE-L: (1 + 1/2) / 2
         (0.5, 2, 0.75)
+        >>> result["bleu_signature"]  # sacrebleu's own, for reporting beside the score  # doctest: +ELLIPSIS
+        'nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:...'
     """
     sacrebleu, rouge_scorer = require_scorers()
-    bleu = sacrebleu.corpus_bleu(list(generations), [list(references)])
+    metric = sacrebleu.metrics.BLEU()
+    bleu = metric.corpus_score(list(generations), [list(references)])
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
     rouge = [scorer.score(r, g)["rougeL"].fmeasure for g, r in zip(generations, references, strict=True)]
     exact = [g.strip() == r.strip() for g, r in zip(generations, references, strict=True)]
     n = len(references)
-    return {"bleu4": bleu.score, "bleu_signature": str(bleu.format(signature=True)).split(" = ")[0],
+    return {"bleu4": bleu.score, "bleu_signature": str(metric.get_signature()),
             "rougeL_f1": sum(rouge) / n, "exact_match": sum(exact) / n, "count": n}  # fmt: skip
 
 
@@ -127,34 +154,118 @@ def generate_answers(model: Any, sp: Any, run: dict, prompts: Sequence[Any], *, 
     return answers
 
 
+def check_generation_settings(*, max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse, in one line, settings ``lmcore.generate`` cannot sample with, before any model is loaded."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise LmtrainError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise LmtrainError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise LmtrainError(f"--top-k must be an integer >= 1 (sample from the k likeliest tokens), got {top_k}")
+
+
+def limited(items: list[Any], limit: float | None) -> list[Any]:
+    """The first ``limit`` items (a count >= 1), or that share of them (0 < limit < 1, rounded up), as ``--limit``
+    counts for ``--tasks``; anything else is one LmtrainError.
+
+    Example:
+        >>> limited(list(range(10)), 5), limited(list(range(10)), 0.25), len(limited(list(range(10)), None))
+        ([0, 1, 2, 3, 4], [0, 1, 2], 10)
+    """
+    if limit is None:
+        return items
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise LmtrainError(f"--limit must be a count >= 1 or a fraction in (0, 1), got {limit}")
+    if limit >= 1:
+        if limit != int(limit):
+            raise LmtrainError(f"--limit {limit}: a count of prompts must be a whole number (or a fraction below 1)")
+        return items[: int(limit)]
+    return items[: math.ceil(len(items) * limit)]
+
+
 def evaluate_prompts(run_dir: str | os.PathLike, prompts_file: str | os.PathLike, out: str | os.PathLike | None = None,
                      *, checkpoint: str = "best", max_new_tokens: int = 256, temperature: float = 0.0,
                      seed: int | None = None, top_k: int | None = None, device: str | None = None,
-                     limit: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Generate an answer to every prompt of ``prompts_file`` with the run's ``checkpoint`` and score them (module
-    docstring); the prompts, references and generations go to ``out`` (default
-    ``RUN_DIR/generations-<checkpoint>.jsonl``). Returns the scores with the checkpoint and the output file."""
+                     limit: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Generate an answer to every prompt of ``prompts_file`` (the first ``limit``, see :func:`limited`) with the
+    run's ``checkpoint`` and score them (module docstring); the prompts, references and generations go to ``out``
+    (default ``RUN_DIR/generations-<checkpoint>.jsonl``). Returns the scores with the checkpoint and the output file.
+
+    Everything that can be checked before the generation is: the settings, the prompts, that the output is not the
+    prompts file, and that the output can be written (its temporary file is created first), so no generation is
+    thrown away for a bad flag or an unwritable output."""
     from lmtrain.evaluate import resolve_device
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
     require_scorers()
-    if max_new_tokens < 1:
-        raise LmtrainError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    items = read_prompts(prompts_file)[:limit]
+    check_generation_settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k)
+    if out is not None:
+        refuse_output_over_input(out, {"--prompts": prompts_file}, flag="--generations")
+    items = limited(read_prompts(prompts_file), limit)
     where = resolve_device(device)
     model, run, path = load_trained_model(run_dir, str(where), checkpoint=checkpoint)
-    sp = load_tokenizer(run_dir)
-    answers = generate_answers(model, sp, run, [p for p, _ in items], max_new_tokens=max_new_tokens,
-                               temperature=temperature, seed=seed, top_k=top_k)  # fmt: skip
-    references = [r for _, r in items]
-    result = score(answers, references)
     target = Path(out) if out is not None else Path(run_dir) / f"generations-{path.name}.jsonl"
-    from trainloop.checkpoint import open_new
-
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    with open_new(tmp) as f:
+    refuse_output_over_input(target, {"--prompts": prompts_file}, flag="--generations")
+    with _generations_file(target) as f:  # opened before the generation: an output that cannot be written fails now
+        sp = load_tokenizer(run_dir)
+        answers = generate_answers(model, sp, run, [p for p, _ in items], max_new_tokens=max_new_tokens,
+                                   temperature=temperature, seed=seed, top_k=top_k)  # fmt: skip
+        references = [r for _, r in items]
+        result = score(answers, references)
         for i, ((prompt, reference), answer) in enumerate(zip(items, answers, strict=True)):
             shown = prompt if isinstance(prompt, str) else [{"role": r, "content": c} for r, c in prompt]
             f.write(json.dumps({"id": i, "prompt": shown, "reference": reference, "generation": answer}) + "\n")
-    os.replace(tmp, target)
     return result | {"checkpoint": str(path), "generations": str(target), "temperature": temperature, "seed": seed}
+
+
+@contextlib.contextmanager
+def _generations_file(target: Path) -> Iterator[Any]:
+    """A temporary file beside ``target`` (never through a link), renamed over it when the block ends without an
+    exception; a target that is a directory, or a place where nothing can be written, is one LmtrainError."""
+    from trainloop.checkpoint import CheckpointError, open_new
+
+    if target.is_dir():
+        raise LmtrainError(f"--generations {target}: is a directory; name the JSONL file to write, e.g. "
+                           f"{target / 'generations.jsonl'}")  # fmt: skip
+    if not target.parent.is_dir():
+        raise LmtrainError(f"--generations {target}: its directory {target.parent} does not exist; create it first")
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
+        f = open_new(tmp)
+    except CheckpointError as exc:
+        raise LmtrainError(str(exc)) from None
+    except OSError as exc:
+        if exc.errno in WRITE_ERRNOS:
+            raise LmtrainError(write_failure_message(exc, str(target))) from None
+        raise LmtrainError(f"--generations {target}: cannot be written ({exc.strerror}); choose another path") from None
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in WRITE_ERRNOS:
+            raise LmtrainError(write_failure_message(exc, str(target))) from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    """`lmtrain eval --prompts`: scores printed (one JSON object with ``--json``), generations written."""
+    result = evaluate_prompts(args.run, args.prompts, args.generations, checkpoint=args.checkpoint,
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              seed=args.generation_seed, top_k=args.top_k, device=args.device,
+                              limit=getattr(args, "limit", None))  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    else:
+        n = result["count"]
+        print(f"{args.prompts}: {n} prompts, BLEU-4 {result['bleu4']:.2f} (sacrebleu {result['bleu_signature']}, "
+              f"n={n}), ROUGE-L F1 {result['rougeL_f1']:.4f} (n={n}), exact match {result['exact_match']:.4f} (n={n})"
+              f"\ncheckpoint {result['checkpoint']}; generations in {result['generations']}")  # fmt: skip
+    return 0

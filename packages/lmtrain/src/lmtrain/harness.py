@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import WRITE_ERRNOS, LmtrainError, write_failure_message
 
 HARNESS_DIR = "lm-eval"  # RUN_DIR/lm-eval/<checkpoint>-<tasks>/ by default
 _TASK_MANAGERS: dict[str | None, Any] = {}
@@ -70,6 +71,27 @@ def check_tasks(names: list[str], manager: Any) -> None:
             near = difflib.get_close_matches(name, known, n=3)
             hint = f"did you mean {', '.join(near)}?" if near else "`lm-eval ls tasks` lists them"
             raise LmtrainError(f"--tasks {name!r}: not a task, group or tag of lm-evaluation-harness; {hint}")
+
+
+def build_tasks(names: list[str], manager: Any, include_path: str | None) -> None:
+    """Build the harness's task objects once (their configs checked, their datasets loaded), so that a broken task
+    is one LmtrainError naming it, before any model is loaded: an ``output_type`` the harness does not know, a data
+    file that is missing, a dataset neither cached nor reachable, a package the task needs."""
+    where = f" under --include-path {include_path}" if include_path else ""
+    try:
+        manager.load(names)
+    except ConnectionError as exc:  # what `datasets` raises for a dataset it can neither download nor find cached
+        raise LmtrainError(
+            f"--tasks {','.join(names)}: a task's dataset could not be loaded ({exc}); run once where the Hugging Face "
+            "Hub is reachable (datasets caches it under HF_DATASETS_CACHE), or use local task files (--include-path)"
+        ) from None
+    except ImportError as exc:
+        raise LmtrainError(f"--tasks {','.join(names)}: a task needs {exc.name or exc}, which is not installed: "
+                           f"pip install {exc.name or 'it'}") from None  # fmt: skip
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise LmtrainError(f"--tasks {','.join(names)}: a task could not be built ({type(exc).__name__}: {first}); "
+                           f"fix its YAML{where} or its data files") from None  # fmt: skip
 
 
 def _base() -> type:
@@ -247,12 +269,15 @@ def run_tasks(args: argparse.Namespace) -> int:
     if env_world()[2] > 1:
         raise LmtrainError("--tasks runs in one process: start it without torchrun")
     for flag, value in (("--limit", args.limit), ("--batch-size", args.batch_size), ("--context", args.context)):
-        if value is not None and value <= 0:
-            raise LmtrainError(f"{flag} must be > 0, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise LmtrainError(f"{flag} must be a finite number > 0, got {value}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise LmtrainError(f"--num-fewshot must be >= 0 (examples put before each question), got {args.num_fewshot}")
     if args.out is not None and Path(args.out).exists():
         raise LmtrainError(f"--out {args.out}: exists; choose a new directory (results are never overwritten)")
     manager = task_manager(args.include_path)
     check_tasks(tasks, manager)
+    build_tasks(tasks, manager, args.include_path)  # a task's YAML or data that cannot work fails before the model
     device = resolve_device(args.device)
     model, run, checkpoint = load_trained_model(
         args.run, str(device), checkpoint=args.checkpoint, verify=args.verify, dtype=resolve_dtype(args.dtype, device),
@@ -291,8 +316,10 @@ def run_tasks(args: argparse.Namespace) -> int:
         (tmp / "results.json").write_text(text + "\n", encoding="utf-8")
         (tmp / "results.md").write_text(table, encoding="utf-8")
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            raise LmtrainError(write_failure_message(exc, str(out))) from None
         raise
     print(table)
     print(f"checkpoint {checkpoint}, {device} {args.dtype}, windows of {context} tokens; results in {out}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import WRITE_ERRNOS, LmtrainError, write_failure_message
 from lmtrain.recipes import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
 from lmtrain.run_files import META_FILE, TOKENIZER_FILE, write_json_atomic
 
@@ -52,9 +52,10 @@ def _write_val_text(sp_path: Path, val: Any, out: Path) -> None:
         size += len(text.encode("utf-8"))
         if size >= VAL_TEXT_BYTES:
             break
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    tmp.write_text("\n\n".join(parts), encoding="utf-8")
-    os.replace(tmp, out)
+    from tokbin.writer import atomic_output
+
+    with atomic_output(out, lock=False) as f:  # never through a link in its place
+        f.write("\n\n".join(parts).encode("utf-8"))
 
 
 _FORMAT_FLAGS = {"jsonl": "--jsonl-field FIELD", "parquet": "--parquet-column COLUMN"}
@@ -184,15 +185,33 @@ def prepare(
     if val_texts:
         check_formats(val_texts, "--val-text", jsonl_field=jsonl_field, parquet_column=parquet_column)
     out = Path(out_dir)
+    _refuse_linked_outputs(out, shard_mb is not None)
     # A failed prepare leaves no partial output: what it added is removed (a shard directory is kept: rerun resumes).
     found = set(os.listdir(out)) if out.is_dir() else None
     try:
         return _prepare(texts, out, val_texts, fraction, vocab_size, model_type, read, fmt_text, split_docs,
                         workers, progress, sample_mb, shard_mb)  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
         if shard_mb is None:
             _remove_new(out, found)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:  # a full disk, the file size limit, read-only
+            raise LmtrainError(write_failure_message(exc, str(out))) from None
         raise
+
+
+def _refuse_linked_outputs(out: Path, sharded: bool) -> None:
+    """Refuse, before any work, an output of prepare that is a symbolic or hard link in ``out`` (each writer refuses
+    its own too, but only once its turn comes: after the tokenizer has trained)."""
+    from tokbin import TokenFileError
+    from tokbin.writer import refuse_linked
+
+    names = [TOKENIZER_FILE, Path(TOKENIZER_FILE).with_suffix(".vocab").name, META_FILE, VAL_TEXT_FILE]
+    names += [] if sharded else ["train.bin", "val.bin"]
+    for name in names:
+        try:
+            refuse_linked(out / name)
+        except TokenFileError as exc:
+            raise LmtrainError(str(exc)) from None
 
 
 def _remove_new(out: Path, found: set[str] | None) -> None:
@@ -302,8 +321,38 @@ def _prepare(
         "seconds": round(time.perf_counter() - start, 2),
     }
     meta["bytes_per_token"] = meta["train"]["bytes_per_token"]
-    write_json_atomic(out / META_FILE, meta)
+    try:
+        write_json_atomic(out / META_FILE, meta)
+    except ValueError as exc:  # trainloop's refusal of a link in place of the file it writes
+        raise LmtrainError(str(exc)) from None
     return meta
+
+
+def check_meta_numbers(meta: dict[str, Any], where: str | os.PathLike) -> None:
+    """Refuse, in one line, a meta.json whose figures are not what `lmtrain prepare` writes: ``bytes_per_token``
+    (top level, ``train`` and ``val``) a finite number > 0, ``tokens`` and ``documents`` of each split integers >= 0.
+    What reads meta.json calls it before using them (bits per byte divide by bytes_per_token).
+
+    Example:
+        >>> check_meta_numbers({"bytes_per_token": 3.1, "train": {"bytes_per_token": 3.1}, "val": {}}, "meta.json")
+        >>> check_meta_numbers({"bytes_per_token": "x"}, "data/meta.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.errors.LmtrainError: data/meta.json: bytes_per_token: expected a finite number > 0, found 'x'; ...
+    """
+    fix = "re-run `lmtrain prepare`"
+    places: list[tuple[str, Any]] = [("", meta)]
+    places += [(f"{split}.", meta[split]) for split in ("train", "val") if isinstance(meta.get(split), dict)]
+    for prefix, section in places:
+        value = section.get("bytes_per_token")
+        if "bytes_per_token" in section and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ):
+            found = f"expected a finite number > 0, found {value!r}"
+            raise LmtrainError(f"{where}: {prefix}bytes_per_token: {found}; {fix}")
+        for key in ("tokens", "documents") if prefix else ():
+            count = section.get(key)
+            if key in section and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise LmtrainError(f"{where}: {prefix}{key}: expected an integer >= 0, found {count!r}; {fix}")
 
 
 def run_prepare(args: argparse.Namespace) -> int:

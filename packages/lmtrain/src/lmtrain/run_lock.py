@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from types import TracebackType
@@ -154,7 +155,7 @@ class DirectoryLock:
     def _open(self) -> int | None:
         try:
             # O_NOFOLLOW: a symbolic link in place of the lock is refused, never opened (and emptied) through.
-            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -163,10 +164,26 @@ class DirectoryLock:
                     f"{self.flag} {self.directory}: its lock file {LOCK_FILE} is a symbolic link: a run writes only "
                     "inside its directory; remove the link"
                 ) from None
+            if exc.errno == errno.ENXIO:  # a FIFO without a reader, opened non-blocking
+                raise LmtrainError(f"{self.flag} {self.directory}: its lock file {LOCK_FILE} is a FIFO, not a file; "
+                                   "remove it") from None  # fmt: skip
             raise LmtrainError(
                 f"{self.flag} {self.directory}: cannot create its lock file {LOCK_FILE}: {exc.strerror}; "
                 "expected a writable directory"
             ) from None
+        # Hard links are not stopped by O_NOFOLLOW: the lock is emptied and written (the holder's record), so a lock
+        # that is another name of some file, or no regular file, is refused before either happens.
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            links = f"has {st.st_nlink} hard links (the same file under other names, which the lock would empty)"
+            what = links if stat.S_ISREG(st.st_mode) else "is not a regular file"
+            raise LmtrainError(
+                f"{self.flag} {self.directory}: its lock file {LOCK_FILE} {what}: a run writes only its own files; "
+                "remove it"
+            )
+        os.set_blocking(fd, True)
+        return fd
 
 
 def _read_holder(fd: int) -> str:

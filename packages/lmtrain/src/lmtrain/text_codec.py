@@ -7,7 +7,10 @@ bits per byte are then exact, and Python source keeps its indentation.
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from lmtrain.errors import LmtrainError
 
 # SentencePiece trainer options that make the tokenizer lossless (see the module docstring).
 LOSSLESS_SPM_OPTIONS: dict[str, Any] = dict(
@@ -46,3 +49,26 @@ def decode(sp: Any, ids: list[int]) -> str:
     """Text of `ids` (ids past the tokenizer's vocabulary, possible from a padded model, are dropped)."""
     size = sp.get_piece_size()
     return sp.decode([int(i) for i in ids if 0 <= int(i) < size])
+
+
+def load_json_line(line: str | bytes, where: str) -> Any:
+    """One line of a JSONL file parsed, or one LmtrainError naming ``where`` (file and line): text that is not JSON,
+    and JSON nested too deeply for the parser (``[[[[...`` 100,000 deep: a RecursionError from the json module).
+
+    Example:
+        >>> load_json_line('{"prompt": "2+2?"}', "p.jsonl line 1")
+        {'prompt': '2+2?'}
+        >>> load_json_line("[" * 100_000 + "]" * 100_000, "p.jsonl line 2")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.errors.LmtrainError: p.jsonl line 2: expected a JSON object, found JSON nested deeper than ...
+    """
+    fix = "fix or remove the line"
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise LmtrainError(f"{where}: expected a JSON object, found text that is not JSON ({exc.msg}); {fix}") from None
+    except RecursionError:
+        raise LmtrainError(
+            f"{where}: expected a JSON object, found JSON nested deeper than the parser goes (brackets or braces "
+            f"opened thousands of times); {fix}"
+        ) from None

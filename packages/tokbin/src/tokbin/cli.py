@@ -10,7 +10,7 @@ import sys
 from tokbin.encode import ERRORS, default_workers, encode_inputs
 from tokbin.errors import TokenFileError
 from tokbin.shards import open_tokens
-from tokbin.sources import PIECE_BYTES
+from tokbin.sources import MAX_PIECE_BYTES, PIECE_BYTES
 from tokbin.tokenizer import MODEL_TYPES, train_tokenizer
 
 
@@ -108,8 +108,9 @@ def _run(args: argparse.Namespace) -> None:
         )
         print(model)
     elif args.command == "encode":
-        if args.piece_kb < 1:
-            raise ValueError(f"--piece-kb must be >= 1, got {args.piece_kb}")
+        if not 1 <= args.piece_kb <= MAX_PIECE_BYTES >> 10:
+            raise ValueError(f"--piece-kb must be in [1, {MAX_PIECE_BYTES >> 10}] (every encoding process holds a "
+                             f"piece in memory), got {args.piece_kb}; the default is {PIECE_BYTES >> 10}")  # fmt: skip
         if args.shard_mb is not None and not (math.isfinite(args.shard_mb) and args.shard_mb > 0):
             raise ValueError(f"--shard-mb must be a finite number > 0, got {args.shard_mb}")
         if args.workers is not None and args.workers > default_workers():

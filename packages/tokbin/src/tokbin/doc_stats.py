@@ -21,6 +21,9 @@ def document_length_stats(doc_offsets: Any, buckets: Sequence[int] = (256, 1024)
         >>> stats["documents"], stats["median"], stats["max"], stats["buckets"]["256"]["documents"]
         (3, 300.0, 2000, 0.3333333333333333)
     """
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1]
+    if bad:
+        raise ValueError(f"buckets: expected lengths in tokens >= 1, got {bad[0]!r}; e.g. --buckets 256 1024")
     offsets = np.asarray(doc_offsets, dtype=np.int64)
     if offsets.ndim != 1 or len(offsets) < 2:
         raise ValueError("doc_offsets must hold at least one document (2 offsets)")

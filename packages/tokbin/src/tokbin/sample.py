@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tokbin.documents import DocOptions, HashSplit, segments
 from tokbin.sources import ReadOptions, expand_inputs, read_pieces
+from tokbin.writer import atomic_output
 
 SAMPLE_PIECE_BYTES = 1 << 16
 # Longest line of a sample, in UTF-8 bytes: under SentencePiece's default max_sentence_length (4192), which leaves
@@ -78,7 +79,7 @@ def write_sample(
     opts = ReadOptions(fmt, split_docs and fmt == "text", clean, SAMPLE_PIECE_BYTES)
     doc_opts = DocOptions(fmt, opts.split_docs, clean, errors, jsonl_field or parquet_column, skip_bad_lines)
     seen = written = 0
-    with open(Path(output), "wb") as out:
+    with atomic_output(Path(output), lock=False) as out:  # never through a link in its place
         for piece in read_pieces(paths, opts, parquet_column=parquet_column):
             seen += piece.n_bytes
             if ratio < 1 and written >= seen * ratio:

@@ -16,11 +16,13 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from tokbin.errors import TokenFileError
 
 FORMATS = ("text", "jsonl", "parquet")
 PIECE_BYTES = 1 << 20
+MAX_PIECE_BYTES = 1 << 30  # a piece is read whole into memory, in every encoding process
 _COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _NEVER = re.compile(rb"(?!)")  # a pattern that matches nowhere
 _FORMAT_SUFFIXES = {"jsonl": (".jsonl", ".json", ".ndjson"), "parquet": (".parquet",)}
@@ -40,8 +42,11 @@ class ReadOptions:
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
-        if self.piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
+        if not 1 <= self.piece_bytes <= MAX_PIECE_BYTES:
+            raise ValueError(
+                f"piece_bytes must be in [1, {MAX_PIECE_BYTES}] (1 GiB: every encoding process holds a piece in "
+                f"memory, twice), got {self.piece_bytes}; the default is {PIECE_BYTES} (--piece-kb {PIECE_BYTES >> 10})"
+            )
         if self.shard_bytes is not None and self.shard_bytes < 1:
             raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
 
@@ -180,15 +185,22 @@ class Decompressed:
     def read(self, n: int) -> bytes:
         try:
             data = self._stream.read(n)
+        except OSError as e:
+            if e.errno is not None:  # a real read error (EIO, ...), not damaged data: as it is
+                raise
+            self._refuse(e)  # pyarrow's codecs say "Truncated compressed stream" as an OSError without errno
         except self._damaged as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TokenFileError(
-                self.path,
-                f"damaged {self.kind} data after {self.position} decompressed bytes ({reason}): expected a whole "
-                f"{self.kind} file; compress it again from its source, or leave it out",
-            ) from None
+            self._refuse(e)
         self.position += len(data)
         return data
+
+    def _refuse(self, e: BaseException) -> NoReturn:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenFileError(
+            self.path,
+            f"damaged {self.kind} data after {self.position} decompressed bytes ({reason}): expected a whole "
+            f"{self.kind} file; compress it again from its source, or leave it out",
+        ) from None
 
     def close(self) -> None:
         self._stream.close()

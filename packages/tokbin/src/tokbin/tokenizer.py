@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import sentencepiece as spm
 
 from tokbin.errors import TokenFileError
-from tokbin.writer import atomic_output
+from tokbin.writer import atomic_output, refuse_linked, write_failure
 
 MODEL_TYPES = ("bpe", "unigram", "char", "word")
 SPM_MAX_SENTENCE_LENGTH = 4192  # SentencePiece's default: longer lines (in bytes) are left out of training
@@ -232,20 +233,33 @@ def train_tokenizer(
     prefix = Path(model_prefix)
     if not prefix.parent.is_dir():
         raise TokenFileError(prefix, f"output directory {prefix.parent} does not exist")
+    model, vocab = (prefix.with_name(prefix.name + suffix) for suffix in (".model", ".vocab"))
+    for out in (model, vocab):  # refused before the training, not after it
+        refuse_linked(out)
     options = {"num_threads": os.cpu_count() or 1, **({"minloglevel": 1} if progress else {}), **spm_options}
     paths = [Path(p) for p in inputs]
-    lines = prefix.with_name(f".{prefix.name}.lines.tmp")  # a fixed name: a killed run's copy is replaced next time
+    # SentencePiece writes its outputs itself, through any link in their place: it writes into a directory of ours,
+    # and the files are moved into place by atomic_output, which refuses links.
     try:
+        private = Path(tempfile.mkdtemp(dir=prefix.parent, prefix=f".{prefix.name}.train-"))
+    except OSError as exc:
+        raise write_failure(prefix, exc) or exc from None
+    try:
+        lines = private / "lines.txt"
         keep = int(options.get("input_sentence_size") or 0)
         train_on = [lines] if keep > 0 and _even_lines(paths, keep, lines) else paths
-        _train(train_on, paths, prefix, vocab_size, model_type, character_coverage, byte_fallback, progress, options)
+        inner = private / prefix.name
+        spec = (vocab_size, model_type, character_coverage, byte_fallback)
+        _train(train_on, paths, inner, *spec, progress, options, shown=prefix)
+        trained = inner.with_name(inner.name + ".model").read_bytes()
+        with atomic_output(model, lock=False) as f:
+            f.write(portable_model(trained))
+        with atomic_output(vocab, lock=False) as f:
+            f.write(inner.with_name(inner.name + ".vocab").read_bytes())
+    except OSError as exc:
+        raise write_failure(prefix, exc) or exc from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            lines.unlink()
-    model = prefix.with_name(prefix.name + ".model")
-    portable = portable_model(model.read_bytes())
-    with atomic_output(model, lock=False) as f:
-        f.write(portable)
+        shutil.rmtree(private, ignore_errors=True)
     return model
 
 
@@ -259,7 +273,11 @@ def _train(
     byte_fallback: bool,
     progress: bool,
     options: dict[str, Any],
+    *,
+    shown: Path,
 ) -> None:
+    """SentencePiece's training into ``prefix``; its errors name ``shown``, the prefix the caller asked for."""
+
     def run() -> None:
         spm.SentencePieceTrainer.train(
             input=[str(p) for p in inputs],
@@ -273,7 +291,7 @@ def _train(
 
     try:
         if progress:
-            _run_with_elapsed_bar(run, f"train-tokenizer {prefix.name}")
+            _run_with_elapsed_bar(run, f"train-tokenizer {shown.name}")
         else:
             run()
     except (RuntimeError, OSError) as e:
@@ -282,4 +300,4 @@ def _train(
             message = _no_sentences(named, int(options.get("max_sentence_length", SPM_MAX_SENTENCE_LENGTH)))
         elif "(all_chars_count) > (0)" in message:
             message = f"no character of {', '.join(map(str, named))} to train on: expected text, found only spaces"
-        raise TokenFileError(prefix, f"SentencePiece training failed: {message}") from None
+        raise TokenFileError(shown, f"SentencePiece training failed: {message}") from None

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
+import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -35,14 +38,73 @@ def created_mode() -> int:
     return 0o666 & ~mask
 
 
+# The errors of a write that the filesystem refuses for good: full disk or quota, file size limit, read-only.
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
+def refuse_linked(path: Path) -> None:
+    """Raise TokenFileError when ``path`` is a symbolic link, a file with other hard links (``st_nlink > 1``) or
+    anything but a regular file: an output written there would replace or change a file that is not ours.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> os.symlink("/etc/hostname", os.path.join(d.name, "tokenizer.model"))
+        >>> refuse_linked(Path(d.name) / "tokenizer.model")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        tokbin.errors.TokenFileError: .../tokenizer.model: is a symbolic link to /etc/hostname: ...
+        >>> d.cleanup()
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    fix = "remove it (an output is written only as a file of its own), or choose another output"
+    if stat.S_ISLNK(st.st_mode):
+        raise TokenFileError(path, f"is a symbolic link to {os.readlink(path)}: expected a file or nothing; {fix}")
+    if not stat.S_ISREG(st.st_mode):
+        raise TokenFileError(path, f"is not a regular file: expected a file or nothing; {fix}")
+    if st.st_nlink > 1:
+        raise TokenFileError(
+            path, f"has {st.st_nlink} hard links (the same file under other names): expected a file of its own; {fix}"
+        )
+
+
+def write_failure(path: Path, exc: OSError) -> TokenFileError | None:
+    """One TokenFileError for a write to ``path`` refused with ENOSPC, EDQUOT, EFBIG or EROFS, naming the cause and
+    the fix; None for other errors."""
+    if exc.errno not in _WRITE_ERRNOS:
+        return None
+    if exc.errno == errno.EFBIG:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit:,} bytes"
+        return TokenFileError(path, f"file too large: the file size limit of this process is {shown} (ulimit -f); "
+                                    "raise it (ulimit -f unlimited) and run again")  # fmt: skip
+    if exc.errno == errno.EROFS:
+        return TokenFileError(path, "read-only filesystem: choose an output on a writable filesystem")
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 1e6:,.1f} MB free there now"
+    except OSError:
+        free = "free space unknown"
+    return TokenFileError(path, f"no space left on device ({exc.strerror}; {free}): free some space and run again")
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: Path) -> Iterator[None]:
     """Hold ``<path>.lock`` with ``flock(LOCK_EX | LOCK_NB)``; a second writer fails at once instead of waiting.
 
-    The lock file is left in place afterwards: unlinking it would let a waiting writer lock a dead inode.
+    The lock file is left in place afterwards: unlinking it would let a waiting writer lock a dead inode. A symbolic
+    link in its place is refused, never followed (creating the file at its target).
     """
     lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TokenFileError(lock_path, "is a symbolic link: expected the output's lock file; remove it") from None
+        raise write_failure(lock_path, exc) or exc from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -92,6 +154,10 @@ def remove_stale_temps(path: Path) -> int:
 def atomic_output(path: str | os.PathLike, *, lock: bool = True) -> Iterator[BinaryIO]:
     """Yield a temp file next to ``path``; on success fsync it, rename it over ``path`` and fsync the directory.
 
+    A ``path`` that is a symbolic link, has other hard links or is not a regular file is refused (``refuse_linked``)
+    before anything is written; a write the filesystem refuses (full, file size limit, read-only) is one
+    TokenFileError naming ``path`` (``write_failure``).
+
     On any exception nothing appears under ``path`` and the temp file is removed; after a kill the temp file stays
     until the next locked write to ``path`` removes it (``remove_stale_temps``). The file gets the mode the umask
     gives. ``lock=False`` is for callers that hold a lock of their own (and clear their directory's temp files).
@@ -99,10 +165,14 @@ def atomic_output(path: str | os.PathLike, *, lock: bool = True) -> Iterator[Bin
     path = Path(path)
     if not path.parent.is_dir():
         raise TokenFileError(path, f"output directory {path.parent} does not exist")
+    refuse_linked(path)
     with exclusive_lock(path) if lock else contextlib.nullcontext():
         if lock:
             remove_stale_temps(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise write_failure(path, exc) or exc from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # marks the temp file live: see remove_stale_temps
             os.fchmod(fd, created_mode())  # mkstemp creates 0600
@@ -110,7 +180,15 @@ def atomic_output(path: str | os.PathLike, *, lock: bool = True) -> Iterator[Bin
                 yield f
                 f.flush()
                 os.fsync(f.fileno())
+            refuse_linked(path)  # a link put there while we wrote
             os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            failure = write_failure(path, exc)
+            if failure is None:
+                raise
+            raise failure from None
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

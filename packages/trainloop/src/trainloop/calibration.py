@@ -102,5 +102,8 @@ def calibrate(
     }
     if out is not None and trainer.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+        from trainloop.checkpoint import open_guarded
+
+        with open_guarded(out) as f:  # never through a symbolic or hard link
+            f.write(json.dumps(result, indent=1))
     return result

@@ -10,11 +10,14 @@ evaluation so far.
 Every state file the toolkit itself writes loads with ``torch.load(weights_only=True)``: a checkpoint cannot run
 code through them. DeepSpeed's own files (the ``deepspeed/`` subdirectory) are read the same way, with the few
 DeepSpeed classes they hold allowed (trainloop.deepspeed_compat.safe_load). A run directory whose members link
-outside it is refused (refuse_outside_links), and the files a run writes are never opened through a link.
+outside it is refused (refuse_outside_links), and the files a run writes are never written through a link: a
+symbolic link, a file with other hard links or a non-regular file in their place is refused (open_guarded,
+refuse_linked) before anything is emptied or replaced.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "manifest.json"
@@ -202,6 +206,7 @@ class CheckpointStore:
         """Point ``best.json`` at the checkpoint of ``step`` (which must exist), atomically (rank 0 only)."""
         data = {"step": step, "checkpoint": self.step_dir(step).name, "metric": metric, "value": value}
         tmp = self.root / f".{BEST_FILE}.tmp"
+        refuse_linked(self.root / BEST_FILE)
         _remove(tmp)
         with open_new(tmp) as f:
             f.write(json.dumps(data, indent=1) + "\n")
@@ -311,11 +316,96 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+class WeightsFileError(CheckpointError, SafetensorError):
+    """A consolidated weights file that safetensors cannot read (a pickle, junk); also a ``SafetensorError``, what
+    callers of ``safetensors.torch.load_file`` already catch."""
+
+
+class LinkedFileError(OSError, CheckpointError):
+    """A file a run would write is a symbolic link, has other hard links, or is not a regular file: writing through
+    it would change a file elsewhere, so it is refused (the message names the path and the fix). An ``OSError`` (no
+    errno) for callers that handle failed writes, and a ``CheckpointError`` for those that handle a run's refusals."""
+
+
+def refuse_linked(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`LinkedFileError` when ``path`` is a symbolic link, has other hard links or is not a regular file
+    (nothing when it does not exist): for writers that rename a temporary file over ``path``, which never writes
+    through a link but would silently replace one the user put there.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> refuse_linked(os.path.join(d.name, "run.json"))  # not there yet: fine
+        >>> os.symlink("/etc/hostname", os.path.join(d.name, "run.json"))
+        >>> refuse_linked(os.path.join(d.name, "run.json"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        trainloop.checkpoint.LinkedFileError: .../run.json: is a symbolic link; remove it ...
+        >>> d.cleanup()
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    fix = "remove it (a run writes only its own files), or write elsewhere"
+    if stat.S_ISLNK(st.st_mode):
+        raise LinkedFileError(f"{path}: is a symbolic link; {fix}")
+    if not stat.S_ISREG(st.st_mode):
+        raise LinkedFileError(f"{path}: is not a regular file; {fix}")
+    if st.st_nlink > 1:
+        raise LinkedFileError(f"{path}: has {st.st_nlink} hard links (the same file under other names); {fix}")
+
+
+def open_guarded(path: str | os.PathLike[str], mode: str = "w", *, append: bool = False) -> Any:
+    """Open ``path`` for writing, emptied (or, with ``append``, positioned at its end), never through a link.
+
+    Refused with :class:`LinkedFileError` before anything is written or truncated: a symbolic link (O_NOFOLLOW), a
+    file with other hard links (``st_nlink > 1``: emptying it would empty the other names too) and anything but a
+    regular file (a FIFO, a device). A new file gets the mode the umask gives.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.TemporaryDirectory()
+        >>> mine, theirs = os.path.join(d.name, "metrics.jsonl"), os.path.join(d.name, "notes.txt")
+        >>> _ = open(theirs, "w").write("keep me")
+        >>> os.link(theirs, mine)  # the same file under a second name
+        >>> open_guarded(mine)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        trainloop.checkpoint.LinkedFileError: .../metrics.jsonl: has 2 hard links ...
+        >>> open(theirs).read()
+        'keep me'
+        >>> d.cleanup()
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fix = "remove it (a run writes only its own files), or write elsewhere"
+    try:
+        fd = os.open(path, flags | (os.O_APPEND if append else 0), 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW on a link: ELOOP (EMLINK on FreeBSD)
+            raise LinkedFileError(f"{path}: is a symbolic link; {fix}") from None
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, opened non-blocking
+            raise LinkedFileError(f"{path}: is not a regular file (a FIFO); {fix}") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LinkedFileError(f"{path}: is not a regular file; {fix}")
+        if st.st_nlink > 1:
+            raise LinkedFileError(
+                f"{path}: has {st.st_nlink} hard links (the same file under other names): writing it would change "
+                f"them too; {fix}"
+            )
+        os.set_blocking(fd, True)
+        if not append:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, mode)
+
+
 def open_new(path: Path, mode: str = "w") -> Any:
-    """Open ``path`` for writing without following a symbolic link there (O_NOFOLLOW: a link is an error, never a
-    way to write elsewhere); a new file gets the mode the umask gives."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    return os.fdopen(os.open(path, flags, 0o666), mode)
+    """Open ``path`` for writing, emptied, never through a symbolic or hard link (:func:`open_guarded`)."""
+    return open_guarded(path, mode)
 
 
 def outside_links(root: str | os.PathLike[str]) -> list[tuple[Path, Path]]:
@@ -453,7 +543,14 @@ def load_model_weights(checkpoint_dir: str | Path, device: str | torch.device = 
     path = Path(checkpoint_dir) / MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no consolidated model in this checkpoint")
-    return load_file(str(path), device=str(device))
+    try:
+        return load_file(str(path), device=str(device))
+    except SafetensorError as exc:  # a pickle, or any other file under the name: never unpickled
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise WeightsFileError(
+            f"{path}: refused to load (not a safetensors file: {first}); a checkpoint written by this toolkit holds "
+            "one, so this file was altered or comes from elsewhere: resume from another checkpoint"
+        ) from None
 
 
 def rng_state() -> dict[str, Any]:

@@ -38,6 +38,13 @@ def setup_distributed(engine: str, timeout_s: float) -> tuple[int, int, torch.de
     timeout = timedelta(seconds=timeout_s)
     if engine == "deepspeed":
         deepspeed = import_extra("deepspeed", "deepspeed", "TrainConfig.engine='deepspeed'")
+        from trainloop.extension_locks import stale_extension_lock_message
+
+        # DeepSpeed's communication layer builds its op first thing; a lock left by a killed build makes every rank
+        # wait on it forever, without a word: say so and stop instead, before any rank waits on anything.
+        stale = stale_extension_lock_message()
+        if stale is not None:
+            raise ConfigError(stale)
 
         choose_port = world == 1 and "MASTER_PORT" not in os.environ
         if world == 1:

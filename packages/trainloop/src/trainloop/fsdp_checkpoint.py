@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -81,12 +82,44 @@ class SafeReader(FileSystemReader):
             ) from exc
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
+        check_storage_paths(metadata, Path(self.path), path)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         storage_meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def check_storage_paths(metadata: Metadata, root: Path, where: Path) -> None:
+    """Raise ``CheckpointError`` (one line) unless every storage entry of ``metadata`` names a file inside ``root``
+    by a plain relative name, with a non-negative offset and length and no transform (this engine writes none).
+
+    The reader opens ``root / relative_path`` for each entry: a name such as ``../../elsewhere/x.distcp`` would make
+    it read a file outside the checkpoint, so it is refused before any data file is opened.
+    """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{where}: no storage table (found {type(storage).__name__}): not checkpoint metadata")
+    real = root.resolve()
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointError(f"{where}: storage entry {index!r} is a {type(info).__name__}, expected file info")
+        rel = info.relative_path
+        inside = isinstance(rel, str) and rel and not Path(rel).is_absolute() and ".." not in Path(rel).parts
+        if not inside or not (root / rel).resolve().is_relative_to(real):
+            raise CheckpointError(
+                f"{where}: storage entry names {rel!r}, outside the checkpoint directory {root}: refused before "
+                "reading it; this file was altered or comes from elsewhere"
+            )
+        numbers = (info.offset, info.length)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numbers):
+            raise CheckpointError(f"{where}: storage entry for {rel!r} has offset/length {numbers}: expected counts")
+        if info.transform_descriptors:
+            raise CheckpointError(f"{where}: storage entry for {rel!r} asks for transforms "
+                                  f"{list(info.transform_descriptors)[:3]}: this engine writes none")  # fmt: skip
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -131,7 +164,14 @@ def load_fsdp(engine: FSDPEngine, ckpt_dir: Path) -> dict[str, Any]:
         # get_state_dict initialises AdamW's state where it has none yet, so every tensor has a slot to load into.
         model_sd, optim_sd = get_state_dict(engine.module, engine.optimizer)
         state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, storage_reader=SafeReader(ckpt_dir / DCP_SUBDIR), planner=SafeLoadPlanner())
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        reader = SafeReader(ckpt_dir / DCP_SUBDIR)
+        reader.read_metadata()  # checked here first: dcp.load would log each refusal with a traceback, then wrap it
+        try:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        except (Exception, CheckpointException) as exc:  # a rank's failure, wrapped by torch (a BaseException)
+            raise CheckpointError(dcp_failure(exc, ckpt_dir / DCP_SUBDIR)) from None
         set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])  # fmt: skip
     elif (ckpt_dir / OPTIMIZER_FILE).is_file():
@@ -149,6 +189,35 @@ def load_fsdp(engine: FSDPEngine, ckpt_dir: Path) -> dict[str, Any]:
             f"{ckpt_dir}: no FSDP state ({DCP_SUBDIR}/ or {OPTIMIZER_FILE}); it was not written by engine='fsdp'"
         )
     return load_torch(ckpt_dir / TRAINER_FILE)
+
+
+def dcp_failure(exc: BaseException, where: Path) -> str:
+    """One line for a failed ``dcp.load``: the first CheckpointError of ours it carries (torch wraps the ranks'
+    exceptions in its own, or says only that the metadata read failed), else the error's first line."""
+    seen: list[BaseException] = []
+    pending: list[BaseException] = [exc]
+    while pending:
+        e = pending.pop(0)
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, CheckpointError):
+            return str(e)
+        failures = getattr(e, "failures", None)  # torch's CheckpointException: {rank: exception or traceback}
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                        if isinstance(f[0] if isinstance(f, tuple) else f, BaseException)]  # fmt: skip
+        pending += [x for x in (e.__cause__, e.__context__) if x is not None]
+    text = " ".join(str(exc).split())
+    mine = re.search(r"(/\S+: refused to load .*?|/\S+: (holds|storage entry) .*?)(; rank|$)", text)
+    if mine:
+        return mine.group(1)
+    # The error a rank met (a torch.load of damaged bytes, say), not torch's wrapper with its tracebacks.
+    cause = next((e for e in seen if getattr(e, "failures", None) is None), exc)
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    reason = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+    fix = "it was damaged or altered: resume from another checkpoint"
+    return f"{where}: unreadable sharded checkpoint ({reason}); {fix}"
 
 
 def broadcast_state(tree: Any, src: int = 0) -> Any:

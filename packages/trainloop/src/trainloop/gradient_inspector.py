@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from trainloop.checkpoint import open_guarded
 from trainloop.clipping import ClipGroups
 from trainloop.extras import MissingExtraError
 from trainloop.plotting import new_figure
@@ -45,7 +46,7 @@ def inspect_gradients(
         rows.append((name, groups.group_names[groups.index_of[name]], tuple(g.shape), norm, float(g.abs().max()),
                      norm / max(g.numel(), 1) ** 0.5))  # fmt: skip
     table = out_dir / f"grads_step{step}.tsv"
-    with open(table, "w") as f:
+    with open_guarded(table) as f:  # never through a symbolic or hard link
         f.write("name\tgroup\tshape\tnorm\tmax_abs\trms\n")
         for name, group, shape, norm, mx, rms in rows:
             f.write(f"{name}\t{group}\t{'x'.join(map(str, shape))}\t{norm:.6e}\t{mx:.6e}\t{rms:.6e}\n")
@@ -69,5 +70,6 @@ def inspect_gradients(
     ax2.set_ylabel("count")
     fig.suptitle(f"gradients at step {step}")
     fig.tight_layout()
-    fig.savefig(out_dir / f"grads_step{step}.png", dpi=80)
+    with open_guarded(out_dir / f"grads_step{step}.png", "wb") as f:
+        fig.savefig(f, dpi=80, format="png")
     return table

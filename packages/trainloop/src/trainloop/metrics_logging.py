@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainloop.checkpoint import open_new
+from trainloop.checkpoint import open_guarded, open_new, refuse_linked
 from trainloop.extras import MissingExtraError, import_extra
 
 # Dense (no sparsity) bf16 tensor peak per device in TFLOP/s, matched against torch.cuda.get_device_name(): the
@@ -144,7 +144,9 @@ def _describe_bad(bad: list[int]) -> str:
 
 def _replace_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: a crash leaves the old or the new file."""
+    refuse_linked(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
     try:
         with open_new(tmp) as f:
             f.write(text)
@@ -184,9 +186,8 @@ class MetricsLogger:
             _replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        # Appended to for the run, closed in close(); never through a symbolic link.
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        self._file = os.fdopen(os.open(self.path, flags, 0o666), "a")
+        # Appended to for the run, closed in close(); never through a symbolic or hard link.
+        self._file = open_guarded(self.path, "a", append=True)
         if tensorboard:
             self.tb = _tensorboard_writer(run_dir, resume_step)
         if wandb_project is not None:

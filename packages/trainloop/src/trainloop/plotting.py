@@ -75,6 +75,9 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Drawn beside the target and renamed over it: a symbolic link there is replaced, never written through.
+    from trainloop.checkpoint import refuse_linked
+
+    refuse_linked(out)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}{out.suffix}")
     try:
         fig.savefig(tmp, dpi=90)

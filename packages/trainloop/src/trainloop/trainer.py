@@ -8,7 +8,9 @@ carries across a resume.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import random
 import sys
@@ -41,8 +43,9 @@ from trainloop.faults import (
     NonFiniteLossError,
     StopSignals,
     collective_failure,
-    disk_full,
     disk_full_error,
+    write_errno,
+    write_failed_error,
 )
 from trainloop.metrics_logging import (
     MetricsLogger,
@@ -146,6 +149,12 @@ class Trainer:
         if eval_data is not None and not callable(eval_data):
             raise TypeError("eval_data must be a zero-argument callable returning an iterable of (inputs, targets)")
         json.dumps(extra_state or {})  # fail now, not at the first checkpoint
+        if bytes_per_token is not None and not (
+            isinstance(bytes_per_token, (int, float)) and not isinstance(bytes_per_token, bool)
+            and math.isfinite(bytes_per_token) and bytes_per_token > 0
+        ):  # fmt: skip
+            raise ConfigError(f"bytes_per_token={bytes_per_token!r}: expected a finite number > 0 (UTF-8 bytes per "
+                              "token of the evaluation text, for bits per byte) or None")  # fmt: skip
         if isinstance(model, torch.nn.Module):
             self.engine: Engine = make_engine(model, config, ds_config=ds_config)
         elif ds_config is not None:
@@ -199,8 +208,11 @@ class Trainer:
 
     def close(self) -> None:
         """Destroy the process group this Trainer set up (a no-op for one the caller initialised, or when called
-        twice). Call it, or use the Trainer in a ``with`` block, once the run's collectives are over; a script that
-        never does gets the same at exit (:func:`trainloop.distributed.teardown_distributed`)."""
+        twice), and give SIGTERM back the handler it had before ``fit()`` (after ``fit()`` a first SIGTERM only lets
+        the process finish: :class:`trainloop.faults.StopSignals`). Call it, or use the Trainer in a ``with`` block,
+        once the run's collectives are over; a script that never does gets the process group's teardown at exit
+        (:func:`trainloop.distributed.teardown_distributed`)."""
+        self._signals.restore()
         teardown_distributed()
 
     def __enter__(self) -> Trainer:
@@ -516,9 +528,10 @@ class Trainer:
             )
         )
         # Handlers stay installed until the final checkpoint is written: a signal during the final evaluation or
-        # save only sets the flag.
+        # save only sets the flag; after it, a SIGTERM waits for the process to finish (StopSignals.finish).
         self._signals.install()
         summary: dict[str, Any] = {"stopped": None, "eval": None, "loss": None}
+        finished = False
         try:
             summary["stopped"], evaluated_at = self._loop(logger, summary)
             if summary["stopped"] != SIGNAL_STOP and self.eval_data is not None and evaluated_at != self.state.step:
@@ -526,9 +539,13 @@ class Trainer:
                 if summary["eval"] is None:  # a signal stopped it: the run was preempted, save and go
                     summary["stopped"] = SIGNAL_STOP
             ckpt = self.save_checkpoint() if self._last_saved_step != self.state.step else None
+            finished = True
         except Exception as exc:
-            if disk_full(exc):
+            code = write_errno(exc)
+            if code in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full_error(exc, self.store, self.engine.module, self.state.step) from exc
+            if code is not None:
+                raise write_failed_error(exc, code, self.store, self.state.step) from exc
             if self.world_size > 1 and collective_failure(exc):
                 raise CollectiveError(
                     f"rank {self.rank}: a collective operation failed at step {self.state.step} ({type(exc).__name__}: "
@@ -537,7 +554,10 @@ class Trainer:
                 ) from exc
             raise
         finally:
-            self._signals.restore()
+            if finished:  # a SIGTERM from now on lets the caller finish up instead of ending the process with -15
+                self._signals.finish()
+            else:
+                self._signals.restore()
             logger.close()
         if summary["stopped"] == SIGNAL_STOP:
             summary["stopped"] = self._signals.received or "signal on another rank"

@@ -2,7 +2,8 @@
 
 Every rank prints ``PID <rank> <pid>`` first (the tests signal one rank), ``EVAL <rank> <step>`` when it starts
 an evaluation, ``SIGNAL <rank> <name>`` once the trainer's handler has run, and ``SUMMARY <rank> {...}`` at the end.
-``eval_sleep_s`` is slept before each evaluation batch.
+``eval_sleep_s`` is slept before each evaluation batch. ``after_fit_s``: once ``fit()`` returned, ``FINISHED <rank>``
+is printed and that many seconds pass (the finishing work of a real script: adapters, a summary) before the summary.
 """
 
 import json
@@ -44,6 +45,7 @@ def main() -> None:
     run_dir = args.pop("run_dir")
     eval_sleep_s = args.pop("eval_sleep_s", 0.0)
     n_eval = args.pop("eval_batches_n", 4)
+    after_fit_s = args.pop("after_fit_s", 0.0)
     handle = FAULTS[args.pop("fault")] if "fault" in args else StopSignals._handle
 
     def announced(self: StopSignals, signum: int, frame: object) -> None:
@@ -76,6 +78,12 @@ def main() -> None:
     trainer = Trainer(model, cfg, SeqData(cfg.micro_batch, rank=rank, world_size=world), run_dir=run_dir,
                       eval_data=slow_eval)  # fmt: skip
     out = trainer.fit()
+    if after_fit_s:
+        say(f"FINISHED {rank}")
+        deadline = time.monotonic() + after_fit_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        trainer.close()
     say(f"SUMMARY {rank} " + json.dumps({k: v for k, v in out.items() if k != "eval"} | {"eval": out["eval"]}))
 
 

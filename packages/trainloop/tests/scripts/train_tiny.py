@@ -35,6 +35,11 @@ def main() -> None:
             return state
 
         et.TorchEngine.load = load_without_optimizer
+    watch_open = args.pop("watch_open", None)  # print OPENED <path> when a file whose path holds this is opened
+    if watch_open is not None:
+        sys.addaudithook(lambda event, a: event == "open" and watch_open in str(a[0]) and os.write(
+            1, f"OPENED {a[0]}\n".encode()))  # fmt: skip
+    refusals = args.pop("refusals", False)  # a CheckpointError ends the script with REFUSED <rank> <line>, status 3
     check_weights = args.pop("check_weights", False)
     uneven_eval = args.pop("uneven_eval", False)  # rank 0 evaluates 3 batches, the others 1
     kind = args.pop("model", "tiny")  # "tiny", "blocks" or "blocks_ckpt" (activation checkpointing)
@@ -96,7 +101,16 @@ def main() -> None:
     data = SeqData(cfg.micro_batch, rank=rank, world_size=world)
     n_eval = (3 if rank == 0 else 1) if uneven_eval else 2
     trainer = Trainer(model, cfg, data, run_dir=run_dir, eval_data=lambda: eval_batches(n_eval), ds_config=ds_config)
-    out = trainer.fit(resume=resume)
+    if refusals:
+        from trainloop.checkpoint import CheckpointError
+
+        try:
+            out = trainer.fit(resume=resume)
+        except CheckpointError as exc:
+            os.write(1, f"REFUSED {rank} {exc}\n".encode())
+            sys.exit(3)
+    else:
+        out = trainer.fit(resume=resume)
     if check_weights:
         # The final checkpoint's consolidated weights against the live (sharded) parameters, gathered whole.
         from trainloop import load_model_weights
