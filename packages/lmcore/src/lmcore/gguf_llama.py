@@ -192,7 +192,7 @@ def write_gguf_llama(
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_factor)
     add_vocab(writer, vocab)
-    write_tensors(writer, gguf_llama_tensors(model, architecture), dtype)
+    write_tensors(writer, gguf_llama_tensors(model, architecture), dtype, path)
 
 
 def bpe_vocab(directory: str | os.PathLike[str], *, pre: str = "default") -> GGUFVocab:

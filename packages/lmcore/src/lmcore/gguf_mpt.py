@@ -190,7 +190,7 @@ def write_gguf(
     writer.add_max_alibi_bias(ALIBI_BIAS_MAX)
 
     add_vocab(writer, vocab)
-    write_tensors(writer, gguf_tensors(model), dtype)
+    write_tensors(writer, gguf_tensors(model), dtype, path)
 
 
 def check_vocab(vocab: GGUFVocab, vocab_size: int) -> None:
@@ -227,9 +227,10 @@ def add_vocab(writer: Any, vocab: GGUFVocab) -> None:
         writer.add_string(key, value)
 
 
-def write_tensors(writer: Any, tensors: dict[str, torch.Tensor], dtype: str) -> None:
+def write_tensors(writer: Any, tensors: dict[str, torch.Tensor], dtype: str, path: str | os.PathLike) -> None:
     """Add `tensors` (float32, numpy's (out, in) order) in `dtype` ("f16": 2-D weights only, as llama.cpp's own
-    converter stores them; norms and biases stay float32) and write the header, keys and tensors; closes `writer`."""
+    converter stores them; norms and biases stay float32) and write the header, keys and tensors to `path` (the
+    writer's file: a write cut short names it); closes `writer`."""
     import numpy as np
 
     for tensor_name, tensor in tensors.items():

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
+from lmcore.file_writes import write_safetensors, write_text
 from lmcore.hf_llama import ARCHITECTURES, HFSource, hf_config, hf_name, rope_layout
 from lmcore.lora import lora_modules, lora_state
 
@@ -39,24 +39,13 @@ KEPT_FROM_SOURCE = ("sliding_window", "use_sliding_window", "max_window_layers",
 ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
 
 
-def _write_file(path: Path, write: Any) -> None:
-    """Call `write(temporary_path)`, then rename the result to `path` (the old file, if any, lives on for readers
-    that map it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    _write_file(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    # safetensors writes a new file and renames it over the old one (an imported model may still map the old one)
+    write_safetensors(tensors, path, metadata={"format": "pt"})
 
 
 def _save_json(values: dict[str, Any], path: Path) -> None:
-    text = json.dumps(values, indent=2, sort_keys=True) + "\n"
-    _write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_text(path, json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def default_architecture(model: GPT) -> str:
