@@ -180,11 +180,10 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
 
 def parse_sample(line: str, where: str) -> tuple[tuple[Turn, ...], str | None]:
     """The turns of one JSONL line (see :func:`read_samples`) and its optional ``group`` (a string)."""
+    from lmtrain.text_codec import load_json_line
+
     fix = "fix or remove the line"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise LmtrainError(f"{where}: expected a JSON object, found text that is not JSON ({exc.msg}); {fix}") from None
+    obj = load_json_line(line, where)
     if not isinstance(obj, dict):
         raise LmtrainError(f"{where}: expected a JSON object, found {type(obj).__name__}; {fix}")
     if "messages" in obj:

@@ -8,7 +8,6 @@ every command's errors become one line here.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -70,7 +69,7 @@ def _run_command(args: argparse.Namespace) -> int:
         from lmtrain.doctor import run_doctor as run
     else:
         from lmtrain.demo import run_demo as run
-    from lmtrain.errors import LmtrainError, no_space_message
+    from lmtrain.errors import WRITE_ERRNOS, LmtrainError, no_space_message
     from lmtrain.run_lock import output_lock
 
     # One writer per output directory (`train` takes its lock itself, in lmtrain.train).
@@ -90,7 +89,7 @@ def _run_command(args: argparse.Namespace) -> int:
         print(f"lmtrain {args.command}: error: {err}", file=sys.stderr)  # names the extra to install
         return 2
     except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if err.errno not in WRITE_ERRNOS:
             raise
         print(f"lmtrain {args.command}: error: {no_space_message(err, getattr(args, 'out', None))}", file=sys.stderr)
         return 2

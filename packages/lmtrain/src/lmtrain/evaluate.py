@@ -314,19 +314,9 @@ def check_finite(result: dict[str, Any], model: torch.nn.Module, checkpoint: Pat
 
 
 def _run_prompts(args: argparse.Namespace) -> int:
-    from lmtrain.generation_eval import evaluate_prompts
+    from lmtrain.generation_eval import run_prompts
 
-    result = evaluate_prompts(args.run, args.prompts, args.generations, checkpoint=args.checkpoint,
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              seed=args.generation_seed, top_k=args.top_k, device=args.device)  # fmt: skip
-    if args.json:
-        print(json.dumps(result))
-    else:
-        n = result["count"]
-        print(f"{args.prompts}: {n} prompts, BLEU-4 {result['bleu4']:.2f} ({result['bleu_signature']}, n={n}), "
-              f"ROUGE-L F1 {result['rougeL_f1']:.4f} (n={n}), exact match {result['exact_match']:.4f} (n={n})\n"
-              f"checkpoint {result['checkpoint']}; generations in {result['generations']}")  # fmt: skip
-    return 0
+    return run_prompts(args)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -389,7 +389,10 @@ def _layout(model: Any, path: Path, fmt: str, merge_lora: bool) -> tuple[str, li
         )
     if lora_modules(model):
         if merge_lora:
-            merge(model)
+            try:
+                merge(model)
+            except ValueError as exc:  # NaN adapters, or a base changed under them
+                raise LmtrainError(f"--merge-lora: {exc}") from None
         elif fmt == "gguf":
             raise LmtrainError("--format gguf takes no separate adapters: add --merge-lora to fold them in")
         elif fmt == "hf-custom":

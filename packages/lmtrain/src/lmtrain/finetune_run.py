@@ -83,6 +83,8 @@ class FinetuneRequest:
             raise LmtrainError(f"--method {self.method!r}: expected one of {', '.join(METHODS)}")
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r <= 0:
             raise LmtrainError(f"--lora-r {self.lora_r!r}: expected a positive integer rank (e.g. 8)")
+        if not (isinstance(self.lora_alpha, (int, float)) and 0 < self.lora_alpha < float("inf")):
+            raise LmtrainError(f"--lora-alpha {self.lora_alpha!r}: expected a finite number > 0 (e.g. 16)")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise LmtrainError(f"--lora-dropout {self.lora_dropout!r}: expected a probability in [0, 1)")
         if not 0.0 < self.val_fraction < 1.0:

@@ -37,8 +37,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write JSON through a temporary file, fsync and a rename, so a kill or a power cut never leaves half a file;
     a failed write (a full disk) removes the temporary file and raises an OSError that names ``path``."""
-    from trainloop.checkpoint import open_new
+    from trainloop.checkpoint import open_new, refuse_linked
 
+    refuse_linked(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
@@ -63,6 +64,10 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     data = Path(data_dir)
     where = data / META_FILE
     meta = read_json(where, "written by `lmtrain prepare`")
+    if isinstance(meta, dict):
+        from lmtrain.prepare_data import check_meta_numbers
+
+        check_meta_numbers(meta, where)
     if not isinstance(meta, dict):
         raise LmtrainError(f"{where}: expected a JSON object, found {type(meta).__name__}; re-run `lmtrain prepare`")
     for key in ("tokenizer", "train", "val"):
