@@ -95,6 +95,32 @@ def test_lora_on_a_base_exports_back_as_its_architecture_and_as_a_peft_adapter_f
     ).apply_chat_template(messages, tokenize=False)
 
 
+def test_generate_and_eval_read_a_base_finetune_alone(made, tmp_path, capsys):
+    pytest.importorskip("sacrebleu")
+    pytest.importorskip("rouge_score")
+    from lmtrain.sample import generate_text
+
+    run = tmp_path / "ft"
+    assert _finetune(made, run, "--max-steps", "2") == 0
+    shutil.move(made["base"], tmp_path / "moved")  # the run holds what it needs: tokenizer files and weights
+    try:
+        reply = generate_text(str(run), "What is 3 times two?", chat=True, max_new_tokens=8, temperature=0)
+        again = generate_text(str(run), "What is 3 times two?", chat=True, max_new_tokens=8, temperature=0)
+        assert reply == again and "<|im_start|>" not in reply
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in made["rows"][:3]))
+        capsys.readouterr()
+        assert main(["eval", "--run", str(run), "--prompts", str(prompts), "--max-new-tokens", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["count"] == 3
+        text = tmp_path / "text.txt"
+        text.write_text("It is 6. It is 8.\n" * 20)
+        assert main(["eval", "--run", str(run), "--text", str(text), "--json", "--context", "32"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["lossless_encoding"] and result["tokens"] > 0
+    finally:
+        shutil.move(tmp_path / "moved", made["base"])
+
+
 def test_full_fine_tuning_with_trainable_moves_only_what_it_names(made, tmp_path):
     from lmcore import from_hf
     from lmtrain.run_files import load_trained_model

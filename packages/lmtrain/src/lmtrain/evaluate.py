@@ -195,12 +195,14 @@ def text_stats(text: str) -> dict[str, int]:
 
 
 def encode_for_eval(sp: Any, text: str, eos_id: int | None) -> tuple[torch.Tensor, bool]:
-    """Token ids of `text` (with `eos_id` in front when the tokenizer has one) and whether decoding gives it back."""
-    from lmtrain.text_codec import decode, encode
+    """Token ids of `text` (with the document start in front, lmtrain.text_codec.document_start: `eos_id` for this
+    toolkit's own tokenizers) and whether decoding gives it back."""
+    from lmtrain.text_codec import decode, document_start, encode
 
     ids = encode(sp, text)
     lossless = decode(sp, ids) == text
-    prefix = [eos_id] if eos_id is not None and eos_id >= 0 else []
+    start = document_start(sp, eos_id)
+    prefix = [] if start is None else [start]
     return torch.tensor(prefix + ids, dtype=torch.long), lossless
 
 
@@ -274,7 +276,7 @@ def evaluate_text(
                                             world_size=world_size, progress=bar)  # fmt: skip
                 runs.append({"seed": seed, "repeat": r, "offset": offset, **metrics_from_nll(nll, n, stats)})
     result: dict[str, Any] = {
-        "tokens": len(ids) - (1 if len(ids) and eos_id is not None and eos_id >= 0 else 0),
+        "tokens": n_targets,
         **stats,
         "context": context,
         "stride": stride,

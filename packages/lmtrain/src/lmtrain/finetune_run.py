@@ -441,7 +441,7 @@ def _next_commands(run_dir: Path) -> list[str]:
 
     command, run = lmtrain_command(), shlex.quote(str(run_dir))
     return [f"{command} eval --run {run} --prompts HELDOUT.jsonl",
-            f"{command} generate --run {run} --prompt TEXT",
+            f"{command} generate --run {run} --chat --prompt TEXT",
             f"{command} export --run {run} --out DIR"]  # fmt: skip
 
 

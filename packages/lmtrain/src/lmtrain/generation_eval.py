@@ -119,36 +119,63 @@ def score(generations: Sequence[str], references: Sequence[str]) -> dict[str, An
             "rougeL_f1": sum(rouge) / n, "exact_match": sum(exact) / n, "count": n}  # fmt: skip
 
 
-def generate_answers(model: Any, sp: Any, run: dict, prompts: Sequence[Any], *, max_new_tokens: int,
+def run_template(run: Any, sp: Any) -> Any:
+    """The lmtrain.chat template of a run of this toolkit's own models: the one its fine-tune recorded, else the
+    one its tokenizer supports."""
+    from lmtrain.chat import ChatTemplate, template_for
+
+    return ChatTemplate.from_json(run.chat_template, "run.json") if run.chat_template else template_for(sp)
+
+
+def chat_prompt(run: Any, sp: Any, turns: Sequence[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """(the ids to generate a reply from, the ids that end the reply) of a conversation ending with a user turn,
+    through the run's chat template: a base model's own (tokbin.chat_prompt_ids, ended by its end-of-turn token),
+    or the template a fine-tune of this toolkit's models trained with (lmtrain.chat)."""
+    from lmtrain.text_codec import encode, is_base_tokenizer
+
+    if is_base_tokenizer(sp):
+        import tokbin
+
+        messages = [{"role": role, "content": content} for role, content in turns]
+        probe = tokbin.encode_chat(sp, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+        labelled = [i for i, label in zip(probe.ids, probe.labels, strict=True) if label != -100]
+        ends = [labelled[-1], *([sp.eos_id] if sp.eos_id not in (None, labelled[-1]) else [])]
+        return tokbin.chat_prompt_ids(sp, messages), ends
+    template = run_template(run, sp)
+    eos = run.eos_id
+    stop = sp.piece_to_id(template.end) if template.name == "tokens" else eos
+    return encode(sp, template.render(turns, add_generation_prompt=True)), [i for i in (stop, eos) if i is not None]
+
+
+def generate_answers(model: Any, sp: Any, run: Any, prompts: Sequence[Any], *, max_new_tokens: int,
                      temperature: float, seed: int | None, top_k: int | None) -> list[str]:  # fmt: skip
     """The model's answer to each prompt (chat prompts through the run's template, plain ones as text)."""
     import torch
 
     from lmcore import generate
-    from lmtrain.chat import ChatTemplate, template_for
-    from lmtrain.text_codec import decode, encode
+    from lmtrain.text_codec import decode, document_start, encode, is_base_tokenizer
 
-    template = (ChatTemplate.from_json(run.chat_template, "run.json") if run.chat_template
-                else template_for(sp))  # fmt: skip
-    eos = run.eos_id
-    stop = sp.piece_to_id(template.end) if template.name == "tokens" else eos
+    template = None if is_base_tokenizer(sp) else run_template(run, sp)
+    plain = template is not None and template.name == "plain"
     device = next(model.parameters()).device
     answers = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            ids = encode(sp, prompt)
-            if eos is not None and eos >= 0 and model.config.document_separator is None:
-                ids = [eos, *ids]
+            ids, ends = encode(sp, prompt), [i for i in (run.eos_id,) if i is not None]
+            start = document_start(sp, run.eos_id)
+            if start is not None and model.config.document_separator is None:
+                ids = [start, *ids]
         else:
-            ids = encode(sp, template.render(prompt, add_generation_prompt=True))
+            ids, ends = chat_prompt(run, sp, prompt)
         out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
-                       top_k=top_k, eos_id=stop, seed=None if seed is None else seed + i)  # fmt: skip
+                       top_k=top_k, eos_id=ends[0] if ends else None,
+                       seed=None if seed is None else seed + i)  # fmt: skip
         new = [int(t) for t in out[0, len(ids) :].tolist()]
-        for end in (stop, eos):
-            if end is not None and end in new:
+        for end in ends:
+            if end in new:
                 new = new[: new.index(end)]
         text = decode(sp, new)
-        if template.name == "plain" and not isinstance(prompt, str):
+        if plain and not isinstance(prompt, str):
             text = text.split(template.end)[0]  # the plain template's end of turn is text
         answers.append(text)
     return answers

@@ -361,6 +361,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user turn of the run's chat template (a fine-tune's, or a base model's own): print "
+        "the reply, ended by the template's end of turn",
+    )
     _add_device_flags(p)
 
 

@@ -259,9 +259,17 @@ def _strip_prefix(name: str) -> str:
 
 
 def load_tokenizer(run_dir: str | os.PathLike) -> Any:
-    """The run's SentencePiece processor."""
+    """The run's tokenizer: its SentencePiece processor, or for a fine-tune of a base model the base's tokenizer
+    (tokbin's HFTokenizer over the tokenizer.json the run keeps)."""
     import sentencepiece as spm
 
+    if (Path(run_dir) / "tokenizer.json").is_file():
+        import tokbin
+
+        try:
+            return tokbin.load_tokenizer(Path(run_dir))
+        except tokbin.TokenFileError as exc:
+            raise LmtrainError(str(exc)) from None
     path = Path(run_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise LmtrainError(f"{path}: missing (the run's copy of the tokenizer, written by `lmtrain train`)")

@@ -25,8 +25,10 @@ def generate_text(
     dtype: str = "fp32",
     on_note: Callable[[str], None] | None = None,
     compile: bool = False,
+    chat: bool = False,
 ) -> str:
-    """The prompt followed by up to `max_new_tokens` sampled tokens, as text.
+    """The prompt followed by up to `max_new_tokens` sampled tokens, as text; with `chat`, the reply alone to the
+    prompt as a user turn of the run's chat template (a fine-tune's, or a base model's own), ended by its end of turn.
 
     `checkpoint`, `verify`, `device` (None: cuda when available) and `dtype` ("fp32", "bf16", "fp16") as `lmtrain eval`
     takes them; `on_note` receives the note when the checkpoint asked for was not usable and another was taken;
@@ -70,6 +72,11 @@ def generate_text(
         lmcore.compile_model(model)
     sp = load_tokenizer(run_dir)
     try:
+        if chat:
+            from lmtrain.generation_eval import generate_answers
+
+            return generate_answers(model, sp, run, [[("user", prompt)]], max_new_tokens=max_new_tokens,
+                                    temperature=temperature, seed=seed, top_k=top_k)[0]  # fmt: skip
         return continue_text(model, sp, prompt, run.eos_id, max_new_tokens, temperature=temperature,
                              top_k=top_k, seed=seed)  # fmt: skip
     except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
@@ -78,21 +85,23 @@ def generate_text(
 
 def continue_text(model: Any, sp: Any, prompt: str, eos_id: int | None, max_new_tokens: int, *,
                   temperature: float = 0.8, top_k: int | None = 200, seed: int | None = None) -> str:  # fmt: skip
-    """``prompt`` followed by up to ``max_new_tokens`` tokens that ``model`` samples, as text, with the SentencePiece
-    processor ``sp`` (EOS in front, as documents start in training; generation stops at EOS)."""
+    """``prompt`` followed by up to ``max_new_tokens`` tokens that ``model`` samples, as text, with the run's
+    tokenizer ``sp`` (the document start in front, as documents start in training: EOS for this toolkit's own
+    tokenizers, lmtrain.text_codec.document_start; generation stops at EOS)."""
     import torch
 
     from lmcore import generate
-    from lmtrain.text_codec import decode, encode
+    from lmtrain.text_codec import decode, document_start, encode
 
     where = next(model.parameters()).device
     ids = encode(sp, prompt)
+    start = document_start(sp, eos_id)
     # EOS in front marks the start of a document, as in training. With document attention (the separator is EOS)
     # that EOS would be a document of its own that the prompt never attends to, while cached decoding is plain
     # causal attention and would attend to it: leaving it out gives the prompt exactly its training context.
-    document_attention = model.config.document_separator is not None and model.config.document_separator == eos_id
-    if eos_id is not None and eos_id >= 0 and not (document_attention and ids):
-        ids = [eos_id] + ids
+    document_attention = model.config.document_separator is not None and model.config.document_separator == start
+    if start is not None and not (document_attention and ids):
+        ids = [start] + ids
     top_k = None if top_k is None else min(top_k, model.config.vocab_size)
     out = generate(
         model,
@@ -125,6 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             on_note=lambda note: print(f"lmtrain generate: {note}", file=sys.stderr),
             compile=args.compile,
+            chat=args.chat,
         )
     )
     return 0

@@ -28,7 +28,8 @@ LOSSLESS_SPM_OPTIONS: dict[str, Any] = dict(
 
 
 def encode(sp: Any, text: str) -> list[int]:
-    """Token ids of `text`, encoded line by line with the newlines kept, as tokbin.encode_files does.
+    """Token ids of `text`, encoded line by line with the newlines kept, as tokbin.encode_files does (a base model's
+    tokenizer encodes the text whole, no special tokens added).
 
     Example (a tokenizer `lmtrain prepare` trained on a little of the standard library's source):
         >>> import tempfile
@@ -41,14 +42,38 @@ def encode(sp: Any, text: str) -> list[int]:
         (True, 'to be\\nor not')
         >>> work.cleanup()
     """
+    if is_base_tokenizer(sp):  # a base model's tokenizer.json (tokbin.HFTokenizer): its own encoding of the text
+        return list(sp.encode(text))
     lines = text.splitlines(keepends=True)
     return [i for ids in sp.encode(lines) for i in ids]
 
 
 def decode(sp: Any, ids: list[int]) -> str:
     """Text of `ids` (ids past the tokenizer's vocabulary, possible from a padded model, are dropped)."""
+    if is_base_tokenizer(sp):
+        return str(sp.decode([int(i) for i in ids]))
     size = sp.get_piece_size()
     return sp.decode([int(i) for i in ids if 0 <= int(i) < size])
+
+
+def is_base_tokenizer(tok: Any) -> bool:
+    """Whether ``tok`` is a base model's tokenizer (tokbin's HFTokenizer, from a tokenizer.json) rather than the
+    SentencePiece model of one of this toolkit's own runs."""
+    return getattr(tok, "kind", None) == "hf"
+
+
+def document_start(tok: Any, eos_id: int | None) -> int | None:
+    """The id every document starts with, as training saw documents: this toolkit's own tokenizers put EOS in front;
+    a base model's tokenizer its own BOS where it adds one (Llama 3's ``<|begin_of_text|>``), else nothing (Qwen2).
+
+    Example:
+        >>> class Qwen: kind, bos_id = "hf", None
+        >>> document_start(Qwen(), 151645), document_start(object(), 2)
+        (None, 2)
+    """
+    if is_base_tokenizer(tok):
+        return tok.bos_id if tok.bos_id is not None and tok.encode("", add_special_tokens=True) else None
+    return eos_id if eos_id is not None and eos_id >= 0 else None
 
 
 def load_json_line(line: str | bytes, where: str) -> Any:
