@@ -1,8 +1,10 @@
 """ZeRO offload settings that cannot work are refused in one line naming the field, the value and the fix, when the
 DeepSpeed config is adopted (before ``deepspeed.initialize`` runs on any rank)."""
 
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +109,31 @@ def test_good_offload_settings_pass_and_the_line_says_where_the_parameters_live(
         nvme = adopt_ds_config(_zero(3, offload_param=_nvme(tmp_path)), TrainConfig(engine="deepspeed"), 2,
                                on_cpu=True)  # fmt: skip
         assert f"ZeRO-3 keeps the parameter partitions on nvme ({tmp_path})" in nvme.line
+
+
+KIT_2_7B = Path(__file__).resolve().parents[3] / "tools" / "cluster-3090" / "ds_config_2.7b.json"
+
+
+@pytest.mark.skipif(not KIT_2_7B.is_file(), reason="tools/cluster-3090 is not beside this package")
+def test_the_kits_2_7b_config_is_zero3_with_accumulation_16_and_names_its_missing_nvme_directory(tmp_path):
+    recipe = TrainConfig(lr=1e-3, micro_batch=8, grad_accum=2, precision="bf16", engine="deepspeed")
+    kit = json.loads(KIT_2_7B.read_text())
+    nvme_path = kit["zero_optimization"]["offload_param"]["nvme_path"]
+    if not Path(nvme_path).exists():  # as shipped, on a machine without that directory: one line saying so
+        with pytest.raises(ConfigError) as err:
+            adopt_ds_config(KIT_2_7B, recipe, 32, on_cpu=False)
+        assert f"offload_param.nvme_path='{nvme_path}' does not exist: create it (mkdir -p {nvme_path})" in str(
+            err.value
+        )
+    kit["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
+    if aio_unavailable_reason() is not None:
+        kit["zero_optimization"]["offload_param"]["device"] = "cpu"
+    path = tmp_path / "ds_config_2.7b.json"
+    path.write_text(json.dumps(kit))
+    adoption = adopt_ds_config(path, recipe, 32, on_cpu=False)
+    cfg = adoption.config
+    assert (cfg.micro_batch, cfg.grad_accum, cfg.precision, cfg.lr, cfg.clip) == (2, 16, "bf16", 3e-4, 1.0)
+    zero = adoption.ds_config["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["offload_param"]["max_in_cpu"] == 0  # the partitions stay on the drive
+    assert adoption.ds_config["train_batch_size"] == 1024
