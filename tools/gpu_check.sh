@@ -23,7 +23,8 @@
 #   kernel-bench  130 /  900  Triton vs SDPA (float-mask ALiBi) vs FlexAttention, bf16, causal: TFLOP/s of the forward
 #                             and forward+backward, each beside its max error vs float64 (output and gradients)
 #   gpumon         25 /   60  tools/check_gpumon_nvml.py --load (needs pynvml from nvidia-ml-py)
-#   gpu-tests      45 /  120  the gpu-marked tests of lmcore, tokbin and gpumon (one pytest per package)
+#   gpu-tests      45 /  120  the gpu-marked tests of lmcore, tokbin and gpumon (one pytest per package); lmcore's
+#                             include tracing the model with fullgraph=True on the Triton path (about 7 s there)
 #   train          60 /  360  lmtrain prepare (400 files of this Python's standard library) then lmtrain train,
 #                             preset 125m, bf16, Triton attention, 20 / 200 steps (needs sentencepiece)
 #   summary        10 /   10  OUT_DIR/summary.md for docs/benchmarks.md
