@@ -72,9 +72,11 @@ def test_nvme_offload_of_parameters_and_optimizer_trains_resumes_and_refuses_ano
     swap = tmp_path / "nvme"
     swap.mkdir()
     # Width 1024: o_proj's 1M elements give each rank a 2 MiB partition, above DeepSpeed's 1 MiB minimum for a
-    # swapped tensor; the buffers are kept small (the defaults pin 2 GiB per rank).
+    # swapped tensor; the buffers are kept small (the defaults pin 2 GiB per rank); max_in_cpu 0 keeps the parameter
+    # partitions on NVMe (by default DeepSpeed moves up to 1e9 elements of them back to host memory for good).
     zero = {"stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": str(swap), "buffer_count": 4, "buffer_size": 2**20},
+            "offload_param": {"device": "nvme", "nvme_path": str(swap), "buffer_count": 4, "buffer_size": 2**20,
+                              "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": str(swap), "buffer_count": 4}}  # fmt: skip
     config_file = tmp_path / "ds_config.json"  # as `--deepspeed FILE` passes it
     config_file.write_text(json.dumps({"zero_optimization": zero}))
