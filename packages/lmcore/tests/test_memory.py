@@ -208,6 +208,7 @@ BAD_FLAGS = [
     (["--zero", "2", "--offload-param", "cpu"], ["--offload-param", "need --zero 3 alone"]),
     (["--zero", "2", "3", "--offload-optimizer", "nvme"], ["--offload-optimizer nvme need --zero 3 alone"]),
     (["--zero", "3", "--offload-param", "disk"], ["--offload-param", "invalid choice", "disk"]),
+    (["--zero", "3", "--max-in-cpu", "-1"], ["ZeroSettings.max_in_cpu must be an int >= 0, got -1"]),
 ]
 
 
@@ -256,6 +257,11 @@ def test_cli_prints_the_gathered_pinned_and_nvme_rows_for_zero3_offload(capsys):
     est = estimate_memory(big, 1, 1024, zero_stage=3, world_size=32, offload_optimizer="nvme", offload_param="cpu")
     assert rows["NVMe per node"] == f"{est.nvme_per_node(4) / 2**30:.2f}" != "0.00"
     assert rows["host pinned"] == f"{est.host_pinned / 2**30:.2f}" and rows["gathered"] == f"{est.gathered / 2**30:.2f}"
+    assert main([*argv[:-1], "nvme", "--max-in-cpu", "0"]) == 0  # the parameter partitions on the drive too
+    rows = {line[:18].strip(): line.split()[-1] for line in capsys.readouterr().out.splitlines()}
+    on_drive = estimate_memory(big, 1, 1024, zero_stage=3, world_size=32, offload_optimizer="nvme",
+                               offload_param="nvme", zero=ZeroSettings(max_in_cpu=0))  # fmt: skip
+    assert rows["NVMe per node"] == f"{on_drive.nvme_per_node(4) / 2**30:.2f}" and on_drive.nvme > est.nvme
 
 
 def test_cli_reports_the_training_flops_per_token(capsys):

@@ -11,7 +11,7 @@ import math
 import sys
 
 from lmcore.config import CHECKPOINTING, PRESETS, ModelConfig, flops_per_token
-from lmcore.memory import GIB, OFFLOAD_DEVICES, PRECISIONS, MemoryEstimate, estimate_memory
+from lmcore.memory import GIB, OFFLOAD_DEVICES, PRECISIONS, MemoryEstimate, ZeroSettings, estimate_memory
 
 
 def positive_int(text: str) -> int:
@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer states in CPU memory (ZeRO-Offload; the flag alone) or on NVMe (ZeRO-3)",
     )
     p.add_argument("--offload-param", default=None, choices=OFFLOAD_DEVICES, help="ZeRO-3 parameters on cpu or nvme")
+    p.add_argument(
+        "--max-in-cpu",
+        type=int,
+        default=ZeroSettings().max_in_cpu,
+        help="offload_param.max_in_cpu: parameter elements DeepSpeed keeps in host memory under nvme (its default 1e9; "
+        "0 keeps them all on the drive)",
+    )
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward")
     p.add_argument(
         "--seq-len", type=positive_int, default=None, help="tokens per sequence (default: preset context length)"
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 world_size=args.gpus,
                 offload_optimizer=args.offload_optimizer if stage > 0 else None,
                 offload_param=args.offload_param,
+                zero=ZeroSettings(max_in_cpu=args.max_in_cpu),
                 activation_checkpointing=args.checkpointing,
                 fused_attention=not args.materialised_attention,
                 gradient_accumulation_steps=args.grad_accum,
