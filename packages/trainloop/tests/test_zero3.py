@@ -83,10 +83,11 @@ def test_nvme_offload_of_parameters_and_optimizer_trains_resumes_and_refuses_ano
     common = {"engine": "deepspeed", "max_steps": 6, "save_every": 3, "keep_last": 5, "width": 1024, "lr": 1e-3,
               "min_lr": 1e-5}  # fmt: skip
     plain = tmp_path / "plain"
+    slow = {"timeout": 600}  # swapping through the files: a launch took minutes on the loaded 2-core machine
     run("train_tiny.py", {**common, "run_dir": str(plain), "ds_config": {"zero_optimization": {"stage": 3}}}, nproc=2)
     nvme = tmp_path / "nvme_run"
     args = {**common, "run_dir": str(nvme), "ds_config": str(config_file)}
-    run("train_tiny.py", args, nproc=2)
+    run("train_tiny.py", args, nproc=2, **slow)
     swapped = sorted(p.relative_to(swap).parts[1] for p in swap.rglob("*.tensor.swp"))
     assert "float32params" in swapped and "optimizer" in swapped, swapped  # both really went through the files
     first, without = _records(nvme), _records(plain)
@@ -102,7 +103,7 @@ def test_nvme_offload_of_parameters_and_optimizer_trains_resumes_and_refuses_ano
     resumed = tmp_path / "resumed"
     shutil.copytree(nvme, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
-    run("train_tiny.py", {**args, "run_dir": str(resumed), "resume": True}, nproc=2)
+    run("train_tiny.py", {**args, "run_dir": str(resumed), "resume": True}, nproc=2, **slow)
     again = _records(resumed)
     # Steps 4-6 as in the uninterrupted run: weights, moments and step counts of swapped and resident sub-groups.
     assert all(_close(again[s], first[s], 1e-6) for s in (4, 5, 6)), (first, again)
@@ -111,6 +112,6 @@ def test_nvme_offload_of_parameters_and_optimizer_trains_resumes_and_refuses_ano
     shutil.copytree(resumed, other)
     shutil.rmtree(other / "checkpoints" / "step_00000006")
     with pytest.raises(AssertionError) as failed:
-        run("train_tiny.py", {**args, "run_dir": str(other), "resume": True}, nproc=1)
+        run("train_tiny.py", {**args, "run_dir": str(other), "resume": True}, nproc=1, **slow)
     assert "written by 2 rank(s) with offload_optimizer on NVMe, resumed on 1" in str(failed.value)
     assert "resume on 2 rank(s)" in str(failed.value)
