@@ -24,7 +24,8 @@
 #                             and forward+backward, each beside its max error vs float64 (output and gradients)
 #   gpumon         45 /   60  tools/check_gpumon_nvml.py --load (needs pynvml from nvidia-ml-py; 32.6 s on the H200
 #                             host, its 25 s limit killed it the first time)
-#   gpu-tests      45 /  120  the gpu-marked tests of lmcore, tokbin and gpumon (one pytest per package)
+#   gpu-tests      45 /  120  the gpu-marked tests of lmcore, tokbin and gpumon (one pytest per package); lmcore's
+#                             include tracing the model with fullgraph=True on the Triton path (about 7 s there)
 #   train          60 /  360  lmtrain prepare (400 files of this Python's standard library) then lmtrain train,
 #                             preset 125m, bf16, Triton attention, 20 / 200 steps (needs sentencepiece)
 #   summary        10 /   10  OUT_DIR/summary.md for docs/benchmarks.md

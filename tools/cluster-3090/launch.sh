@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Start the 1.3B run on the 4 x 4 RTX 3090 cluster: one `torchrun` per node, c10d rendezvous on the
-# master (first host of the hostfile), restarts on failure, every restart resuming from the latest
-# checkpoint. See docs/cluster-3090.md.
+# Start the 1.3B run on the 4 x 4 RTX 3090 cluster (or the 2.7B one on 8 x 4): one `torchrun` per node, c10d
+# rendezvous on the master (first host of the hostfile), restarts on failure, every restart resuming from the
+# latest checkpoint. See docs/cluster-3090.md.
 #
 #   tools/cluster-3090/launch.sh --data DATA_DIR --out RUN_DIR [options] [-- extra `lmtrain train` args]
 #
 # options:
 #   --dry-run           print the command each node would run, run nothing
+#   --recipe NAME       1.3b (default: config.json, ds_config.json) or 2.7b (preset 2.7b, ds_config_2.7b.json)
 #   --all               start every node from here over ssh (default: only this node; run it on each)
 #   --hostfile FILE     default: tools/cluster-3090/hostfile
 #   --max-restarts N    torchrun restarts of the whole worker group after a failure (default 3)
@@ -27,7 +28,7 @@ set -euo pipefail
 
 KIT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "${KIT}/../.." && pwd)"
-DRY_RUN=0 ALL=0 REHEARSAL=0 HOSTFILE="${KIT}/hostfile" MAX_RESTARTS=3 RUN_ID="" JOIN_TIMEOUT=900 DATA="" OUT=""
+DRY_RUN=0 ALL=0 REHEARSAL=0 RECIPE=1.3b HOSTFILE="${KIT}/hostfile" MAX_RESTARTS=3 RUN_ID="" JOIN_TIMEOUT=900 DATA="" OUT=""
 EXTRA=()
 
 die() {
@@ -97,13 +98,14 @@ while [ $# -gt 0 ]; do
         --all) ALL=1; shift ;;
         --cpu-rehearsal) REHEARSAL=1; shift ;;
         --hostfile) need_value "$1" $#; HOSTFILE="$2"; shift 2 ;;
+        --recipe) need_value "$1" $#; RECIPE="$2"; shift 2 ;;
         --max-restarts) need_value "$1" $#; MAX_RESTARTS="$2"; shift 2 ;;
         --run-id) need_value "$1" $#; RUN_ID="$2"; shift 2 ;;
         --join-timeout) need_value "$1" $#; JOIN_TIMEOUT="$2"; shift 2 ;;
         --data) need_value "$1" $#; DATA="$2"; shift 2 ;;
         --out) need_value "$1" $#; OUT="$2"; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $(shown "$1") (see --help)" ;;
     esac
 done
@@ -159,8 +161,12 @@ is_uint_in "${MASTER_PORT}" 1 65535 || die "MASTER_PORT $(shown "${MASTER_PORT}"
 ENDPOINT="${MASTER_ADDR}:${MASTER_PORT}"
 [[ ${MASTER_ADDR} != *:* ]] || ENDPOINT="[${MASTER_ADDR}]:${MASTER_PORT}"
 
-MODEL=(--model-config "${KIT}/config.json")
-DS_CONFIG="${KIT}/ds_config.json"
+case "${RECIPE}" in
+    1.3b) MODEL=(--model-config "${KIT}/config.json") KIT_DS="${KIT}/ds_config.json" ;;
+    2.7b) MODEL=(--preset 2.7b) KIT_DS="${KIT}/ds_config_2.7b.json" ;;
+    *) die "--recipe $(shown "${RECIPE}") must be 1.3b or 2.7b (the kit's two recipes)" ;;
+esac
+DS_CONFIG="${KIT_DS}"
 SETUP=()
 if [ "${REHEARSAL}" = "1" ]; then
     DS_CONFIG="${OUT}/ds_config.cpu-rehearsal.json"
@@ -168,8 +174,8 @@ if [ "${REHEARSAL}" = "1" ]; then
     SETUP=(export DS_ACCELERATOR=cpu)
     write=()
     [ "${DRY_RUN}" = "1" ] || write=(--write "${DS_CONFIG}")
-    flags="$(python3 "${KIT}/cpu_rehearsal.py" "${KIT}/ds_config.json" "$((NNODES * NPROC))" "${write[@]}")" \
-        || die "cpu_rehearsal.py could not adapt ${KIT}/ds_config.json (its message is above)"
+    flags="$(python3 "${KIT}/cpu_rehearsal.py" "${KIT_DS}" "$((NNODES * NPROC))" "${write[@]}")" \
+        || die "cpu_rehearsal.py could not adapt ${KIT_DS} (its message is above)"
     mapfile -t rehearsal_flags <<< "${flags}"
     MODEL+=("${rehearsal_flags[@]}")
 fi

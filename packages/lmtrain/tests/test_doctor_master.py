@@ -48,3 +48,14 @@ def test_every_line_doctor_prints_is_a_check():
                             env=env)  # fmt: skip
     lines = result.stdout.splitlines()
     assert lines and all(line.split()[0] in ("OK", "WARN", "FAIL", "doctor:") for line in lines), result.stdout
+
+
+def test_doctor_names_a_stale_extension_build_lock(tmp_path, monkeypatch, capsys):
+    from lmtrain.doctor import FAIL, OK, check_extension_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert [c.status for c in check_extension_locks()] == [OK]
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").touch()  # a build killed half way: nobody holds it
+    (check,) = check_extension_locks()
+    assert check.status == FAIL and str(tmp_path / "deepspeed_shm_comm" / "lock") in check.line()

@@ -1,6 +1,7 @@
-"""Resume on another number of ranks: 2 -> 1 and 1 -> 2, DeepSpeed ZeRO-2 (through DeepSpeed's universal checkpoint)
-and plain torch, on CPU gloo ranks. The data stream is re-split (the test data gives each global batch's rows to
-the ranks), so the continued losses match an uninterrupted run up to float reduction order."""
+"""Resume on another number of ranks: 2 -> 1 and 1 -> 2, DeepSpeed ZeRO-2 and ZeRO-3 (alone and with its parameters
+offloaded to the host; through DeepSpeed's universal checkpoint) and plain torch, on CPU gloo ranks. The data stream
+is re-split (the test data gives each global batch's rows to the ranks), so the continued losses match an
+uninterrupted run up to float reduction order."""
 
 import json
 import shutil
@@ -9,6 +10,11 @@ import pytest
 from launch import run
 
 ZERO2 = {"zero_optimization": {"stage": 2}}
+DS_CONFIGS = {
+    "deepspeed": ZERO2,
+    "deepspeed-zero3": {"zero_optimization": {"stage": 3}},
+    "deepspeed-zero3-param-offload": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+}
 # Measured: the continued losses differ from the uninterrupted run's by at most ~1e-7 relative (summation order of
 # a different number of ranks); the bound leaves room for other machines.
 RTOL = 1e-5
@@ -21,9 +27,9 @@ def _losses(run_dir):
 
 def _resume(tmp_path, engine, before, after, fault=None):
     """An 8-step run on `before` ranks, and the same run stopped after step 4 and resumed on `after` ranks."""
-    args = {"engine": engine, "max_steps": 8, "save_every": 4, "keep_last": 5}
-    if engine == "deepspeed":
-        args["ds_config"] = ZERO2
+    args = {"engine": engine.split("-")[0], "max_steps": 8, "save_every": 4, "keep_last": 5}
+    if engine in DS_CONFIGS:
+        args["ds_config"] = DS_CONFIGS[engine]
     reference = tmp_path / "reference"
     run("train_tiny.py", {**args, "run_dir": str(reference)}, nproc=before)
     resumed = tmp_path / "resumed"
@@ -45,7 +51,16 @@ def _continued(ref, got):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "engine, before, after", [("deepspeed", 2, 1), ("deepspeed", 1, 2), ("torch", 2, 1)], ids=lambda v: str(v)
+    "engine, before, after",
+    [
+        ("deepspeed", 2, 1),
+        ("deepspeed", 1, 2),
+        ("torch", 2, 1),
+        ("deepspeed-zero3", 2, 1),
+        ("deepspeed-zero3", 1, 2),
+        ("deepspeed-zero3-param-offload", 2, 1),
+    ],  # fmt: skip
+    ids=lambda v: str(v),
 )
 def test_resume_on_another_world_size_continues_the_run(tmp_path, engine, before, after):
     resumed, ref, got = _resume(tmp_path, engine, before, after)

@@ -11,7 +11,7 @@ import math
 import sys
 
 from lmcore.config import CHECKPOINTING, PRESETS, ModelConfig, flops_per_token
-from lmcore.memory import GIB, PRECISIONS, MemoryEstimate, estimate_memory
+from lmcore.memory import GIB, OFFLOAD_DEVICES, PRECISIONS, MemoryEstimate, ZeroSettings, estimate_memory
 
 
 def positive_int(text: str) -> int:
@@ -48,7 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", type=positive_int, default=None, help="GPU processes per node (default: all on one node)"
     )
     p.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3], help="ZeRO stage(s)")
-    p.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory (ZeRO-Offload)")
+    p.add_argument(
+        "--offload-optimizer",
+        nargs="?",
+        const="cpu",
+        default=None,
+        choices=OFFLOAD_DEVICES,
+        help="optimizer states in CPU memory (ZeRO-Offload; the flag alone) or on NVMe (ZeRO-3)",
+    )
+    p.add_argument("--offload-param", default=None, choices=OFFLOAD_DEVICES, help="ZeRO-3 parameters on cpu or nvme")
+    p.add_argument(
+        "--max-in-cpu",
+        type=int,
+        default=ZeroSettings().max_in_cpu,
+        help="offload_param.max_in_cpu: parameter elements DeepSpeed keeps in host memory under nvme (its default 1e9; "
+        "0 keeps them all on the drive)",
+    )
     p.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per GPU per forward")
     p.add_argument(
         "--seq-len", type=positive_int, default=None, help="tokens per sequence (default: preset context length)"
@@ -73,10 +88,13 @@ def format_table(estimates: dict[str, MemoryEstimate], gpu_memory_gib: float, gp
         ("parameters", lambda e: e.parameters),
         ("gradients", lambda e: e.gradients),
         ("optimizer states", lambda e: e.optimizer_states),
+        ("gathered", lambda e: e.gathered),
         ("activations", lambda e: e.activations),
         ("total per GPU", lambda e: e.total),
         ("host per process", lambda e: e.host_offload),
+        ("host pinned", lambda e: e.host_pinned),
         ("host per node", lambda e: e.host_per_node(gpus_per_node)),
+        ("NVMe per node", lambda e: e.nvme_per_node(gpus_per_node)),
     ]
     width = max(12, *(len(k) + 2 for k in estimates))
     lines = [f"{'GiB':<18}" + "".join(f"{k:>{width}}" for k in estimates)]
@@ -96,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--gpus-per-node {gpus_per_node} must divide --gpus {args.gpus} (GPUs of every node together)")
     if args.offload_optimizer and not any(args.zero):
         parser.error("--offload-optimizer needs a ZeRO stage >= 1 in --zero (ZeRO-Offload shards the optimizer first)")
+    if (args.offload_param or args.offload_optimizer == "nvme") and args.zero != [3]:
+        parser.error("--offload-param and --offload-optimizer nvme need --zero 3 alone (only ZeRO-3 offloads there)")
     overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     try:
         config = ModelConfig.from_preset(args.preset, **overrides)
@@ -108,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.precision,
                 zero_stage=stage,
                 world_size=args.gpus,
-                offload_optimizer=args.offload_optimizer and stage > 0,
+                offload_optimizer=args.offload_optimizer if stage > 0 else None,
+                offload_param=args.offload_param,
+                zero=ZeroSettings(max_in_cpu=args.max_in_cpu),
                 activation_checkpointing=args.checkpointing,
                 fused_attention=not args.materialised_attention,
                 gradient_accumulation_steps=args.grad_accum,
@@ -120,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     n = next(iter(estimates.values())).n_params
     print(
         f"{args.preset}: {n:,} parameters, {args.gpus} GPU(s), micro-batch {args.micro_batch} x {seq_len} tokens, "
-        f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer}, "
+        f"{args.precision}, checkpointing {args.checkpointing}, offload optimizer {args.offload_optimizer or 'no'}, "
+        f"offload parameters {args.offload_param or 'no'}, "
         f"{'materialised' if args.materialised_attention else 'fused'} attention, {gpus_per_node} GPU(s) per node"
     )
     print(f"training FLOPs per token at {seq_len} tokens: {flops_per_token(config, seq_len):.4g} (PaLM: 6N + 12LHQT)")

@@ -43,18 +43,91 @@ that syncs: 4 Psi more, not divided by N (FSDP2's `unsharded_accumulated_grad`),
 reduce-scattered on every micro-batch. CPU offload moves the sharded
 parameters, gradients and optimizer states to the host (16 Psi / N per process); only what is in flight stays.
 
+ZeRO-3's gathered working set (`gathered`, beyond DeepSpeed's estimator, which counts only the largest layer
+gathered with its gradient): the parameters fetched ahead of use (`stage3_prefetch_bucket_size` elements, 5e7 by
+default, in the compute dtype) and the parameters under `stage3_param_persistence_threshold` elements (1e5: norms,
+biases), which stay whole on every GPU. FSDP's `gathered` is its unsharded blocks and root in flight (above).
+
+Offload (DeepSpeed 0.19, `ZeroSettings` holds its knobs and defaults). `offload_optimizer` "cpu" moves the fp32
+gradient partition, master weights and Adam's moments to host memory (16 Psi / N per process); with `pin_memory`
+(the default) the master weights and gradients are page-locked, Adam's moments, which the optimizer allocates, are
+not. `offload_optimizer` "nvme" (ZeRO-3 only) puts those 16 Psi / N on the drive; the host keeps `buffer_count` (4)
+pinned swap buffers of the largest optimizer sub-group (at most `sub_group_size` elements, 1e9 by default), fp32:
+with the default sub-group size that is the whole partition, 16 Psi / N again, so NVMe saves host memory only with
+`sub_group_size` below Psi / N. `offload_param` (ZeRO-3 only) moves the 16-bit parameter partition (2 Psi / N) off
+the GPU: to pinned host memory ("cpu"), or to the drive ("nvme") except `max_in_cpu` elements (1e9 by default:
+DeepSpeed brings up to that many back to host memory for good, so set it to 0 to keep them on the drive), through
+`buffer_count` (5) pinned buffers of `buffer_size` (1e8) elements. DeepSpeed's ZeRO-3 estimator with parameter
+offload counts the GPU's share as the largest layer alone; this one adds the prefetch and persistent terms above.
+
 Not counted: the CUDA context (about 0.3-1 GiB), allocator fragmentation, DeepSpeed's communication buckets
 (reduce/allgather bucket sizes) and temporary buffers: keep a margin.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from lmcore.config import ModelConfig, n_params
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD_DEVICES = ("cpu", "nvme")
 GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """DeepSpeed's ZeRO settings that change memory, with DeepSpeed 0.19's defaults (the JSON names in comments).
+
+    Example:
+        >>> zero = ZeroSettings.from_ds_config({"stage3_prefetch_bucket_size": 1e7, "offload_param": {"max_in_cpu": 0}})
+        >>> zero.prefetch_bucket_size, zero.max_in_cpu, zero.sub_group_size
+        (10000000, 0, 1000000000)
+    """
+
+    prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold (elements)
+    sub_group_size: int = 1_000_000_000  # sub_group_size (elements)
+    pin_memory: bool = True  # offload_param / offload_optimizer .pin_memory
+    param_buffer_count: int = 5  # offload_param.buffer_count
+    param_buffer_size: int = 100_000_000  # offload_param.buffer_size (elements)
+    max_in_cpu: int = 1_000_000_000  # offload_param.max_in_cpu (elements)
+    optimizer_buffer_count: int = 4  # offload_optimizer.buffer_count
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if name == "pin_memory":
+                if not isinstance(value, bool):
+                    raise ValueError(f"ZeroSettings.pin_memory must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ZeroSettings.{name} must be an int >= 0, got {value!r}")
+
+    @classmethod
+    def from_ds_config(cls, zero_optimization: dict[str, Any]) -> ZeroSettings:
+        """The settings a DeepSpeed config's ``zero_optimization`` block gives (its other keys are ignored)."""
+        param, optimizer = (
+            zero_optimization.get("offload_param") or {},
+            zero_optimization.get("offload_optimizer") or {},
+        )
+        found: dict[str, Any] = {}
+        for key, name, block in (
+            ("stage3_prefetch_bucket_size", "prefetch_bucket_size", zero_optimization),
+            ("stage3_param_persistence_threshold", "persistence_threshold", zero_optimization),
+            ("sub_group_size", "sub_group_size", zero_optimization),
+            ("buffer_count", "param_buffer_count", param),
+            ("buffer_size", "param_buffer_size", param),
+            ("max_in_cpu", "max_in_cpu", param),
+            ("buffer_count", "optimizer_buffer_count", optimizer),
+        ):
+            if isinstance(block.get(key), (int, float)) and not isinstance(block.get(key), bool):
+                found[name] = int(block[key])
+        pins = [b["pin_memory"] for b in (param, optimizer) if isinstance(b.get("pin_memory"), bool)]
+        if pins:
+            found["pin_memory"] = all(pins)
+        return cls(**found)
 
 
 @dataclass(frozen=True)
@@ -62,12 +135,15 @@ class MemoryEstimate:
     """Bytes per GPU, and host bytes per GPU process, for one training configuration."""
 
     n_params: int
-    parameters: int  # GPU: the weights (16-bit, fp32 without DeepSpeed), partitioned under stage 3
+    parameters: int  # GPU: the weights (16-bit, fp32 without DeepSpeed), partitioned under stage 3 (0 offloaded)
     gradients: int  # GPU: 16-bit gradients (full or partition) and the fp32 gradient partition
     optimizer_states: int  # GPU: fp32 master weights, Adam momentum and variance (0 when offloaded)
     activations: int  # GPU: what the forward keeps for the backward
-    host_offload: int  # host, per GPU process: the offloaded optimizer's buffers (0 without offload)
+    host_offload: int  # host, per GPU process: offloaded states and parameters, swap buffers (0 without offload)
     host_startup: int  # host, per GPU process: the fp32 model built on the CPU before it moves to the GPU
+    gathered: int = 0  # GPU: parameters gathered whole in flight (ZeRO-3's prefetch and persistent ones, FSDP's)
+    host_pinned: int = 0  # host, per GPU process: the page-locked part of host_offload
+    nvme: int = 0  # NVMe drive, per GPU process: offloaded parameters and optimizer states
 
     @property
     def model_states(self) -> int:
@@ -75,14 +151,20 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """Everything on the GPU: model states plus activations."""
-        return self.model_states + self.activations
+        """Everything on the GPU: model states, the gathered working set and activations."""
+        return self.model_states + self.gathered + self.activations
 
     def host_per_node(self, gpus_per_node: int) -> int:
         """Peak host memory of one node running `gpus_per_node` GPU processes: start-up copies or offload buffers."""
         if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be a positive int, got {gpus_per_node!r}")
         return gpus_per_node * max(self.host_startup, self.host_offload)
+
+    def nvme_per_node(self, gpus_per_node: int) -> int:
+        """Bytes on the NVMe drive(s) of one node running `gpus_per_node` GPU processes."""
+        if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a positive int, got {gpus_per_node!r}")
+        return gpus_per_node * self.nvme
 
     def fits(self, gpu_memory_bytes: int) -> bool:
         return self.total <= gpu_memory_bytes
@@ -123,6 +205,28 @@ def largest_parameter(config: ModelConfig) -> int:
     return max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
 
 
+def persistent_parameters(config: ModelConfig, threshold: int = 100_000) -> int:
+    """Elements of the parameters with at most `threshold` elements (ZeRO-3 keeps them whole on every GPU): norms,
+    biases, learnable slopes. Counted on the model built on the meta device (no memory).
+
+    Example:
+        >>> persistent_parameters(ModelConfig.from_preset("2.7b"))  # per layer 2 norms (w, b), 6 biases; final norm
+        1070080
+    """
+    return sum(n for n in _parameter_sizes(json.dumps(asdict(config), sort_keys=True)) if n <= threshold)
+
+
+@functools.lru_cache(maxsize=16)
+def _parameter_sizes(config_json: str) -> tuple[int, ...]:
+    import torch
+
+    from lmcore.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(ModelConfig(**json.loads(config_json)))
+    return tuple(p.numel() for p in model.parameters())
+
+
 def block_parameters(config: ModelConfig) -> tuple[int, int]:
     """(parameters of one transformer block, parameters outside the blocks: embeddings, final norm, untied head).
 
@@ -149,16 +253,17 @@ def estimate_fsdp_memory(
     sync_every_micro_batch: bool = False,
 ) -> MemoryEstimate:
     """Per-GPU training memory of `config` under FSDP (`fully_shard` per block and on the root) over `world_size`
-    GPUs; the accounting is in the module docstring. `parameters` holds the sharded fp32 weights and what is in
-    flight unsharded, `gradients` the sharded fp32 gradients, one block's unsharded gradient and, with accumulation,
-    the unsharded fp32 gradients kept between syncs (none with `sync_every_micro_batch`, trainloop's
-    `fsdp_sync_every_micro`: the gradients are reduce-scattered on every micro-batch instead).
+    GPUs; the accounting is in the module docstring. `parameters` holds the sharded fp32 weights, `gathered` what
+    is in flight unsharded (two blocks and the root, one block's gradient), `gradients` the sharded fp32 gradients
+    and, with accumulation, the unsharded fp32 gradients kept between syncs (none with `sync_every_micro_batch`,
+    trainloop's `fsdp_sync_every_micro`: the gradients are reduce-scattered on every micro-batch instead).
+    `cpu_offload` (FSDP2's `CPUOffloadPolicy`, which pins by default) moves the shards to the host.
 
     Example:
         >>> est = estimate_fsdp_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", world_size=16,
         ...                            gradient_accumulation_steps=4)
-        >>> round(est.model_states / 2**30, 2), round(est.total / 2**30, 2)  # GiB per GPU
-        (6.52, 10.08)
+        >>> round(est.model_states / 2**30, 2), round(est.gathered / 2**30, 2), round(est.total / 2**30, 2)  # GiB
+        (5.93, 0.59, 10.08)
     """
     if precision not in ("fp32", "bf16"):
         raise ValueError(
@@ -180,18 +285,21 @@ def estimate_fsdp_memory(
     in_flight = compute * (2 * block + root)
     grad_in_flight = compute * block + (4 * block if precision == "bf16" else 0)
     accumulated = 4 * psi if gradient_accumulation_steps > 1 and not sync_every_micro_batch else 0
-    host_offload = 0
+    host_offload = host_pinned = 0
     if cpu_offload:
         host_offload = sharded_params + sharded_grads + adam
+        host_pinned = sharded_params + sharded_grads  # Adam's moments are the optimizer's own, not pinned
         sharded_params, sharded_grads, adam = 0, 0, 0
     return MemoryEstimate(
         n_params=psi,
-        parameters=sharded_params + in_flight,
-        gradients=sharded_grads + grad_in_flight + accumulated,
+        parameters=sharded_params,
+        gradients=sharded_grads + accumulated,
         optimizer_states=adam,
         activations=activation_bytes(config, micro_batch, seq_len, precision, checkpointing, fused_attention),
         host_offload=host_offload,
         host_startup=4 * psi,
+        gathered=in_flight + grad_in_flight,
+        host_pinned=host_pinned,
     )
 
 
@@ -202,21 +310,28 @@ def estimate_memory(
     precision: str = "bf16",
     zero_stage: int = 0,
     world_size: int = 1,
-    offload_optimizer: bool = False,
+    offload_optimizer: bool | str | None = False,
     activation_checkpointing: str | None = None,
     fused_attention: bool = True,
     gradient_accumulation_steps: int = 1,
+    offload_param: str | None = None,
+    zero: ZeroSettings | None = None,
 ) -> MemoryEstimate:
     """Per-GPU training memory of `config` under data parallelism with ZeRO `zero_stage` over `world_size` GPUs.
 
     `activation_checkpointing` is off / attention / block; None takes `config.checkpointing`. `fused_attention`
     (default: alibi-kernels' Triton path) keeps no attention scores; False counts them. `gradient_accumulation_steps`
-    > 1 adds DeepSpeed's host accumulation buffers under offload.
+    > 1 adds DeepSpeed's host accumulation buffers under offload. `offload_optimizer` is False/None, "cpu" (or True)
+    or "nvme"; `offload_param` None, "cpu" or "nvme" (ZeRO-3); `zero` holds DeepSpeed's knobs (default: its defaults).
 
     Example:
         >>> est = estimate_memory(ModelConfig.from_preset("1.3b"), 2, 1024, "bf16", zero_stage=2, world_size=16)
         >>> round(est.total / 2**30, 2), round(est.activations / est.total, 2)  # GiB per GPU, the activations' share
         (7.26, 0.49)
+        >>> big = estimate_memory(ModelConfig.from_preset("2.7b"), 1, 1024, "bf16", zero_stage=3, world_size=32,
+        ...                       offload_optimizer="cpu", offload_param="nvme", zero=ZeroSettings(max_in_cpu=0))
+        >>> [round(b / 2**30, 2) for b in (big.model_states, big.gathered, big.host_offload, big.nvme)]
+        [0.31, 0.1, 2.14, 0.15]
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -230,8 +345,18 @@ def estimate_memory(
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if offload_optimizer and zero_stage == 0:
+    optimizer_device = "cpu" if offload_optimizer is True else (offload_optimizer or None)
+    if optimizer_device not in (None, *OFFLOAD_DEVICES):
+        raise ValueError(f"offload_optimizer must be False, True, 'cpu' or 'nvme', got {offload_optimizer!r}")
+    if offload_param not in (None, *OFFLOAD_DEVICES):
+        raise ValueError(f"offload_param must be None, 'cpu' or 'nvme', got {offload_param!r}")
+    if optimizer_device and zero_stage == 0:
         raise ValueError("offload_optimizer needs zero_stage >= 1 (ZeRO-Offload shards the optimizer first)")
+    if optimizer_device == "nvme" and zero_stage != 3:
+        raise ValueError("offload_optimizer='nvme' needs zero_stage 3 (ZeRO-1/2 offload the optimizer to CPU only)")
+    if offload_param and zero_stage != 3:
+        raise ValueError(f"offload_param={offload_param!r} needs zero_stage 3 (only ZeRO-3 partitions the parameters)")
+    zero = ZeroSettings() if zero is None else zero
     checkpointing = config.checkpointing if activation_checkpointing is None else activation_checkpointing
 
     psi, n = n_params(config), world_size
@@ -246,19 +371,46 @@ def estimate_memory(
         if zero_stage == 3:  # one gradient partition (DeepSpeed's 18 = 2 + 4 + 4 + 8 for stage 3)
             half_grads = 0
     master, adam = master // shard(1), adam // shard(1)
-    if zero_stage == 3 and precision != "fp32":  # one parameter gathered in 16-bit, with its 16-bit gradient
-        param_b += 4 * largest_parameter(config)
-    host_offload = 0
-    if offload_optimizer:
+    host_offload = host_pinned = nvme = gathered = 0
+    if zero_stage == 3:
+        compute = 4 if precision == "fp32" else 2
+        gathered = compute * (
+            min(zero.prefetch_bucket_size, psi) + persistent_parameters(config, zero.persistence_threshold)
+        )
+        if offload_param:  # the 16-bit partition leaves the GPU
+            partition, param_b = param_b, 0
+            if offload_param == "cpu":
+                host_offload += partition
+                host_pinned += partition if zero.pin_memory else 0
+            else:  # up to max_in_cpu elements stay in host memory for good; buffers pinned for the transfers
+                elements = partition // compute
+                in_cpu = min(zero.max_in_cpu, elements)
+                buffers = zero.param_buffer_count * max(zero.param_buffer_size, largest_parameter(config) // n)
+                host_offload += compute * (in_cpu + buffers)
+                host_pinned += compute * buffers
+                nvme += compute * (elements - in_cpu)
+        if precision != "fp32":  # one parameter gathered in 16-bit, with its 16-bit gradient (DeepSpeed's term)
+            param_b += 4 * largest_parameter(config)
+    if optimizer_device:
         # The optimizer steps on the host: the fp32 gradient partition, the master weights and Adam's states move
         # there; stage 2 and 3 send each reduced gradient straight to it, stage 1 keeps the full 16-bit gradients.
-        host_offload = fp32_grads + master + adam
+        states = fp32_grads + master + adam
         fp32_grads, master, adam = 0, 0, 0
         half_grads = half_grads if zero_stage == 1 else 0
+        if optimizer_device == "nvme":  # on the drive; the host holds the swap buffers of the largest sub-group
+            nvme += states
+            sub_group = min(zero.sub_group_size, psi // n)
+            host_offload += zero.optimizer_buffer_count * 4 * sub_group
+            host_pinned += zero.optimizer_buffer_count * 4 * sub_group
+        else:
+            host_offload += states
+            host_pinned += (states - 8 * psi // n) if zero.pin_memory else 0  # Adam's moments: not pinned
         if zero_stage in (1, 2) and precision != "fp32":  # DeepSpeed 0.19 stage_1_and_2's pinned staging buffers
-            host_offload += 2 * psi // n + 2 * largest_parameter(config)
+            staging = 2 * psi // n + 2 * largest_parameter(config)
             if gradient_accumulation_steps > 1:
-                host_offload += 2 * psi // n
+                staging += 2 * psi // n
+            host_offload += staging
+            host_pinned += staging
     grad_b, optim_b = half_grads + fp32_grads, master + adam
     return MemoryEstimate(
         n_params=psi,
@@ -268,4 +420,7 @@ def estimate_memory(
         activations=activation_bytes(config, micro_batch, seq_len, precision, checkpointing, fused_attention),
         host_offload=host_offload,
         host_startup=4 * psi,
+        gathered=gathered,
+        host_pinned=host_pinned,
+        nvme=nvme,
     )

@@ -375,6 +375,17 @@ def check_disk(n_params: int | None, where: str | os.PathLike) -> list[Check]:
     ]
 
 
+def check_extension_locks() -> list[Check]:
+    """A build lock of torch's extension cache that no process holds (a build killed half way, e.g. DeepSpeed's first
+    JIT build of its ops), which would make every later build wait for ever (trainloop.extension_locks)."""
+    from trainloop.extension_locks import stale_extension_lock_message
+
+    line = stale_extension_lock_message()
+    if line is None:
+        return [Check(OK, "torch extensions", "no stale build lock")]
+    return [Check(FAIL, "torch extensions", line)]
+
+
 def _guarded(name: str, check, *args):
     """Run one check; a check that crashes is reported as WARN (a doctor bug must not hide the other checks)."""
     try:
@@ -384,7 +395,14 @@ def _guarded(name: str, check, *args):
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    """Run every check, print one line each, return 1 if any FAILed."""
+    """Run every check, print one line each, return 1 if any FAILed; with ``--world``, print which configuration
+    fits instead (:func:`run_plan`)."""
+    if getattr(args, "world", None) is not None:
+        from lmtrain.doctor_plan import run_plan
+
+        return run_plan(args)
+    if getattr(args, "micro_batch", None) is not None:
+        raise LmtrainError("--micro-batch is for the configuration table: add --world N (and --preset)")
     hosts = read_hostfile(args.hostfile) if args.hostfile else []
     data_dir = getattr(args, "data", None)
     checks = _guarded("versions", check_versions)
@@ -403,6 +421,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         result, n_params = result
     checks += result
     checks += _guarded("disk", check_disk, n_params, data_dir or ".")
+    checks += _guarded("torch extensions", check_extension_locks)
     for check in checks:
         print(check.line())
     counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL)}

@@ -421,6 +421,27 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default=None, help="preset whose memory estimate is checked against the GPUs")
     p.add_argument("--data", default=None, metavar="DATA_DIR", help="prepared data directory to verify")
 
+    def count(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        return int(text)
+
+    def gib(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):  # NaN compares false too
+            raise argparse.ArgumentTypeError(f"expected a finite number of GiB > 0, got {text!r}")
+        return value
+
+    plan = p.add_argument_group("which configuration fits (a table instead of the checks)")
+    plan.add_argument("--world", type=count, default=None, metavar="N", help="GPUs of the run, all nodes together")
+    plan.add_argument("--micro-batch", type=count, default=None, metavar="M", help="sequences per GPU per forward "
+                      "(default: the preset's recipe)")  # fmt: skip
+    plan.add_argument("--gpu-memory", type=gib, default=24.0, metavar="GB", help="one GPU's memory, GiB (24: RTX 3090)")
+    plan.add_argument("--gpus-per-node", type=count, default=4, metavar="G", help="GPUs per node (4: the kit)")
+
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(

@@ -144,7 +144,9 @@ def _table() -> dict[str, Recipe]:
         Recipe("350m", PRESETS["350m"], dict(gpu, micro_batch=8, grad_accum=4)),
         Recipe("760m", PRESETS["760m"], dict(gpu, micro_batch=4, grad_accum=8)),
         Recipe("1.3b", PRESETS["1.3b"], dict(gpu, micro_batch=2, grad_accum=4)),
-        Recipe("2.7b", PRESETS["2.7b"], dict(gpu, micro_batch=1, grad_accum=8)),
+        # The reference's next step: 32 GPUs, accumulation 16 (tools/cluster-3090/ds_config_2.7b.json), 1024 rows
+        # (about 1M tokens) per step; `lmtrain doctor --preset 2.7b --world 32` says where it fits.
+        Recipe("2.7b", PRESETS["2.7b"], dict(gpu, micro_batch=2, grad_accum=16)),
     ]
     return {r.name: r for r in recipes}
 

@@ -8,7 +8,10 @@ needs beyond that is here:
 - skipping a non-finite step through the ZeRO-1/2 optimizer's own overflow path (its ``check_grad_overflow``,
   ``check_overflow`` and ``overflow``), so that gradients are dropped and the optimizer state is untouched;
 - loading a universal checkpoint into an engine built without that setting (``engine._config``), and converting
-  a checkpoint to one (``deepspeed.checkpoint.ds_to_universal.main``'s arguments);
+  a checkpoint to one (``deepspeed.checkpoint.ds_to_universal.main``'s arguments), with two repairs to ZeRO-3's
+  universal loader (:func:`loading_universal`);
+- ZeRO-3 with the optimizer on NVMe: the clipped gradients handed to the step (:class:`SwappedGradients`) and the
+  optimizer state restored after a load (:func:`restore_swapped_optimizer`);
 - loading DeepSpeed's own checkpoint files without unpickling arbitrary objects: its default checkpoint engine
   calls ``torch.load(weights_only=False)``, which runs whatever a file's pickle names; :func:`safe_load` reads with
   ``weights_only=True`` and only the DeepSpeed classes its states hold (:func:`allowed_globals`), and
@@ -111,19 +114,111 @@ def skip_zero3_step(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -
     engine.step()
 
 
+def swaps_optimizer(zero_optimizer: Any) -> bool:
+    """Whether a ZeRO-3 optimizer keeps its states on NVMe (``offload_optimizer.device`` nvme)."""
+    return bool(getattr(zero_optimizer, "swap_optimizer", False))
+
+
+class SwappedGradients:
+    """The loop's clipped local gradients handed to a ZeRO-3 step whose optimizer states live on NVMe.
+
+    There ``safe_get_local_grad`` returns a view of a swap buffer that the next swap-in refills, and
+    ``safe_set_local_grad``'s write-back does not reach the step, which swaps in the gradients as the backward wrote
+    them (0.19.8: the run's losses were those of a run without clipping). The engine clips copies; each
+    sub-group's fp32 gradient is overwritten with the clipped values after DeepSpeed swaps it in and before it
+    unscales (its ``unscale_and_clip_grads``, wrapped on this optimizer only); :meth:`put` sets the values of the
+    coming step."""
+
+    def __init__(self, zero_optimizer: Any) -> None:
+        self.zero = zero_optimizer
+        self.pending: dict[int, torch.Tensor] = {}  # DeepSpeed's parameter id -> clipped local gradient
+        original = zero_optimizer.unscale_and_clip_grads
+
+        def unscale_and_clip_grads(sub_group_id: int, total_norm: Any) -> Any:
+            grad = self.zero.fp32_partitioned_groups_flat[sub_group_id].grad
+            for param_id, value in self.pending.items():
+                group, offset, numel = self.zero.grad_position[param_id]
+                if group == sub_group_id:
+                    grad.narrow(0, offset, numel).copy_(value.flatten())
+            return original(sub_group_id, total_norm)
+
+        zero_optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+    def put(self, grads: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        self.pending = {self.zero.get_param_id(p): g for p, g in grads}
+
+
+def restore_swapped_optimizer(zero_optimizer: Any, optim_states: Path) -> None:
+    """After ``load_checkpoint`` with the optimizer states on NVMe, put back what DeepSpeed's loader leaves out.
+
+    0.19.8's loader copies the swap files saved with the checkpoint into the swap folder and stops there. A fresh
+    engine holds no optimizer state yet, so nothing reads those files: every swapped sub-group restarted AdamW
+    (moments zero, step 0), and a sub-group too small to swap (under 1 MiB on a rank, such as the no-decay group of
+    norms and biases) also kept the fresh engine's weights. Both are restored here: a swapped sub-group's moments
+    from its swap files, through DeepSpeed's own swap-out; a resident one's fp32 partition and states, like its
+    step count, from this rank's ``optim_states`` file (read without unpickling code), and each parameter's
+    partition refreshed from them."""
+    saved = safe_load(optim_states, map_location="cpu")["optimizer_state_dict"]  # the ZeRO-3 optimizer's own
+    flats, states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]
+    zero = zero_optimizer
+    for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
+        if zero._swappable_optimizer_subgroup(i):  # its partition lives in the swap folder (numel 0 here)
+            numel = zero.fp16_partitioned_groups_flat_numel[i]
+            zero._optimizer_states_and_gradient_swap_in(i)  # the fp32 partition, from the copied swap file
+            folder = Path(zero.optimizer_swapper.swap_folder)
+            state: dict[str, Any] = {"step": states[i]["step"].clone()}
+            for key in ("exp_avg", "exp_avg_sq"):
+                swap = folder / f"{key}-{flat.ds_id}.tensor.swp"
+                state[key] = torch.from_file(str(swap), size=numel, dtype=flat.dtype).clone()
+            zero.optimizer.state[flat] = state
+            zero._optimizer_states_and_gradient_swap_out(i)
+            continue
+        if flat.numel() == 0:
+            continue
+        flat.data.copy_(flats[i])
+        zero.optimizer.state[flat] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[i].items()}
+        for param in zero.fp16_groups[i]:  # each parameter's partition, at its place in the flat group
+            _, offset, numel = zero.grad_position[zero.get_param_id(param)]
+            param.ds_tensor.data.copy_(flat.data.narrow(0, offset, numel))
+    # Parameters under the persistence threshold stay whole on every rank: gather them again from their partitions
+    # (a collective, as in DeepSpeed's own loader).
+    persistent = list(getattr(zero, "persistent_parameters", []))
+    if persistent:
+        persistent[0].partition(persistent)
+        persistent[0].all_gather(persistent)
+
+
 @contextlib.contextmanager
 def loading_universal(engine: Any):
     """Within the block, ``engine.load_checkpoint`` reads DeepSpeed's universal format (a setting DeepSpeed
-    otherwise takes only at initialisation)."""
+    otherwise takes only at initialisation).
+
+    Two repairs after ZeRO-3's universal loader (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``, 0.19.8;
+    ZeRO-1/2's loader goes group by group and needs neither), without which a resume on another number of ranks
+    drifted from the uninterrupted run (1e-3 relative three steps later, ``tests/test_zero3.py``):
+
+    - it copies the first saved group's hyperparameters into every group, which gave the loop's no-decay group
+      (norms, biases) weight decay: the run's values are put back;
+    - it hands every partition one and the same ``step`` tensor, which the fused AdamW advances in place once per
+      ZeRO-3 sub-group, so the second group's bias correction ran a step ahead: each gets its own copy."""
+    zero = getattr(engine, "optimizer", None)
+    groups = getattr(zero, "param_groups", None) or []
+    saved = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     engine._config.load_universal_checkpoint = True
     try:
         yield
     finally:
         engine._config.load_universal_checkpoint = False
+        for group, values in zip(groups, saved, strict=True):
+            group.update(values)
+        base = getattr(zero, "optimizer", None)
+        for state in getattr(base, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def to_universal(tag_dir: Path, out_tag_dir: Path) -> None:
-    """Convert one ZeRO-1/2 checkpoint tag into DeepSpeed's universal checkpoint (any world size loads it)."""
+    """Convert one ZeRO-1/2/3 checkpoint tag into DeepSpeed's universal checkpoint (any world size loads it)."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     if out_tag_dir.exists():

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainloop.config import ConfigError, TrainConfig
+from trainloop.offload import offload_device, offload_problems
 
 AUTO = "auto"
 DICT_NAME = "the DeepSpeed config"  # how messages name a config given as a dict
@@ -199,6 +200,8 @@ def build_ds_config(
         found.problems.append(f"zero_optimization={zero!r} must be a JSON object")
     elif zero.get("stage", config.zero_stage) not in (0, 1, 2, 3):
         found.problems.append(f"zero_optimization.stage={zero['stage']!r}: allowed values are 0, 1, 2, 3")
+    else:
+        found.problems += offload_problems(zero, zero.get("stage", config.zero_stage))
     _raise_problems(found, name, "disagrees with the TrainConfig", "adopt it with trainloop.adopt_ds_config first")
 
     ds.pop("optimizer", None)
@@ -233,9 +236,7 @@ def build_ds_config(
 
 def _offload_device(ds: dict[str, Any]) -> str | None:
     """``"cpu"`` or ``"nvme"`` when ZeRO offloads the optimizer (its step then runs on the host), else None."""
-    device = (ds.get("zero_optimization") or {}).get("offload_optimizer", {}) or {}
-    device = device.get("device") if isinstance(device, dict) else None
-    return device if device in ("cpu", "nvme") else None
+    return offload_device(ds.get("zero_optimization") or {}, "offload_optimizer")
 
 
 # ------------------------------------------------------------------------------------------------ reading the JSON
@@ -602,6 +603,10 @@ def _line(name: str, *, ds_in: dict, config: TrainConfig, world_size: int, offlo
         + f": the loop sets the lr each step (schedule {config.schedule}: warmup {config.warmup_steps} steps from "
         f"{config.min_lr:g} to {config.lr:g}, {curve} to {config.min_lr:g} at step {config.t_max})"
     )
+    param_device = offload_device(ds_in.get("zero_optimization") or {}, "offload_param")
+    if param_device is not None:
+        path = ds_in["zero_optimization"]["offload_param"].get("nvme_path")
+        parts.append(f"ZeRO-3 keeps the parameter partitions on {param_device}" + (f" ({path})" if path else ""))
     parts.append(f"the loop clips per group (clip={config.clip}), DeepSpeed's gradient_clipping is 0")
     parts.append(
         f"batch {config.micro_batch} x {config.grad_accum} x {world_size} rank(s) = "

@@ -62,6 +62,9 @@ class DeepSpeedEngine(SteppingEngine):
         self.stage = int(self.ds_config["zero_optimization"]["stage"])
         self._params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in self._params]
+        # ZeRO-3 with the optimizer states on NVMe takes the clipped gradients inside its step (compat says why).
+        swapped = self.stage == 3 and compat.swaps_optimizer(self.optimizer)
+        self._swapped = compat.SwappedGradients(self.optimizer) if swapped else None
 
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
         # engine.backward divides by gradient_accumulation_steps itself (the divisor of equal micro-batches), and
@@ -107,6 +110,12 @@ class DeepSpeedEngine(SteppingEngine):
         state for this world size."""
         if saved_world_size == self.world_size:
             return self._load(ckpt_dir / DS_SUBDIR, DS_TAG)
+        if self._swapped is not None:
+            raise CheckpointError(
+                f"{ckpt_dir}: written by {saved_world_size} rank(s) with offload_optimizer on NVMe, resumed on "
+                f"{self.world_size}: DeepSpeed keeps those optimizer states in per-rank swap files, which its "
+                f"universal checkpoint cannot re-partition; resume on {saved_world_size} rank(s)"
+            )
         universal = ckpt_dir.parent / f".universal-{ckpt_dir.name}"
         refused = None
         if dist.get_rank() == 0:
@@ -135,6 +144,11 @@ class DeepSpeedEngine(SteppingEngine):
         )
         if path is None:
             raise CheckpointError(f"{load_dir / tag}: DeepSpeed found no checkpoint to load")
+        if self._swapped is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            compat.restore_swapped_optimizer(
+                self.optimizer, load_dir / tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            )
         return dict(client_state or {})
 
     # The pieces of SteppingEngine.clip_and_step.
@@ -147,6 +161,8 @@ class DeepSpeedEngine(SteppingEngine):
             from deepspeed.utils import safe_get_local_grad
 
             self._z3 = [(n, p, safe_get_local_grad(p)) for n, p in self._params]
+            if self._swapped is not None:  # views of a swap buffer that the step refills: keep copies
+                self._z3 = [(n, p, None if g is None else g.clone()) for n, p, g in self._z3]
             return [(n, g) for n, _, g in self._z3 if g is not None], True
         out: NamedGrads = []
         partitioned = False
@@ -166,6 +182,9 @@ class DeepSpeedEngine(SteppingEngine):
             from deepspeed.utils import safe_set_local_grad
 
             clipped = dict(named)
+            if self._swapped is not None:
+                self._swapped.put([(p, clipped[n]) for n, p, _ in self._z3 if n in clipped])
+                return
             for n, p, _ in self._z3:
                 if n in clipped:
                     safe_set_local_grad(p, clipped[n])
@@ -178,12 +197,16 @@ class DeepSpeedEngine(SteppingEngine):
 
     def _step(self) -> None:
         self.engine.step()
+        if self._swapped is not None:
+            self._swapped.put([])
 
     def _skip(self) -> None:
         """Skip the boundary step with the optimizer untouched, through DeepSpeed's own overflow path."""
         if self.stage in (1, 2) and hasattr(self.optimizer, "check_overflow"):
             compat.skip_zero12_step(self.engine, self.optimizer)
         elif self.stage == 3:
+            if self._swapped is not None:
+                self._swapped.put([])
             compat.skip_zero3_step(self.engine, self._params)
         else:
             for _, p in self._params:

@@ -31,7 +31,7 @@ def main() -> None:
         torch.manual_seed(0)
         run_dir = Path(args["run_dir"]) / name
         ds = case.get("ds_config", {"zero_optimization": {"stage": case["stage"]}})
-        model = TinyLM(tied=case.get("tied", False))
+        model = TinyLM(d=case.get("width", 16), tied=case.get("tied", False))
         trainer = Trainer(model, cfg, SeqData(micro, rank=rank, world_size=world), run_dir=run_dir, ds_config=ds)
         trainer.fit()
         if rank == 0:
@@ -41,6 +41,11 @@ def main() -> None:
                 "norms": [r["grad_norm"] for r in recs if "loss" in r],
                 "run_dir": str(run_dir),
                 "notes": trainer.engine.notes,
+                # What DeepSpeed's ZeRO-3 optimizer says it does (absent under stages 0-2).
+                "zero3": {
+                    k: getattr(trainer.engine.optimizer, k, None)
+                    for k in ("offload_param", "offload_optimizer", "swap_optimizer")
+                },
             }
     if rank == 0:
         os.write(1, ("RESULTS " + json.dumps(results) + "\n").encode())  # one write: ranks share stdout

@@ -43,6 +43,7 @@ def main() -> None:
     check_weights = args.pop("check_weights", False)
     uneven_eval = args.pop("uneven_eval", False)  # rank 0 evaluates 3 batches, the others 1
     kind = args.pop("model", "tiny")  # "tiny", "blocks" or "blocks_ckpt" (activation checkpointing)
+    width = args.pop("width", 16)  # TinyLM's width: 1024 gives o_proj 1M elements, enough for NVMe swapping
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     base = dict(lr=1e-2, min_lr=1e-4, warmup_steps=2, max_steps=10, log_every=1, progress=False, tensorboard=False)
@@ -68,7 +69,7 @@ def main() -> None:
         et.save_model_weights = slow
     hang = args_hang
     torch.manual_seed(0)
-    model = TinyLM() if kind == "tiny" else BlocksLM(checkpointing=kind == "blocks_ckpt")
+    model = TinyLM(d=width) if kind == "tiny" else BlocksLM(checkpointing=kind == "blocks_ckpt")
     if hang is not None and rank == hang[0]:
         import time
 
