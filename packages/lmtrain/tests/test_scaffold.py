@@ -85,3 +85,14 @@ def test_a_finetune_too_short_to_learn_says_so(made, tmp_path, capsys):
     assert _finetune(made, tmp_path / "g", "--max-steps", "60", "--set", "micro_batch=8", "--set", "cpu_threads=1",
                      "--set", "eval_every=0", "--set", "save_every=0", "--no-progress") == 0  # fmt: skip
     assert "too few to learn" not in capsys.readouterr().out
+
+
+def test_the_loops_refusals_speak_in_flags(made, tmp_path, capsys):
+    argv = ["train", "--data", str(made["data"]), "--out", str(tmp_path / "r"), "--preset", "tiny", "--max-steps", "2",
+            "--set", "save_every=2", "--set", "cpu_threads=1", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds checkpoints" in err and "(--resume)" in err and "(--overwrite)" in err, err
+    assert "=True" not in err

@@ -100,7 +100,7 @@ def test_resolve_names(run):
 
 
 def test_a_fresh_run_refuses_a_directory_with_checkpoints(run):
-    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(steps 2..6\).*--overwrite"):
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(steps 2..6\).*overwrite=True"):
         _train(run)
     assert CheckpointStore(run).steps() == [2, 4, 6]  # nothing deleted
     torch.manual_seed(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 import os
 
 
@@ -16,6 +17,20 @@ class OverrideError(LmtrainError, ValueError):
 
 # The errors of a write that the filesystem refuses for good: a full disk or quota, the file size limit of the
 # process (ulimit -f), a read-only filesystem. The CLI prints them as one line (write_failure_message).
+def in_flags(message: str) -> str:
+    """A library's message (trainloop's, lmcore's) in the words of the command line: its arguments become the flags
+    that set them (``resume=True`` -> ``--resume``, ``overwrite=True`` -> ``--overwrite``, ``engine='fsdp'`` ->
+    ``--engine fsdp``).
+
+    Example:
+        >>> in_flags("resume them (resume=True) or start over (overwrite=True); resume with engine='fsdp'")
+        'resume them (--resume) or start over (--overwrite); resume with --engine fsdp'
+    """
+    message = re.sub(r"(?<![\w.])resume=True\b", "--resume", message)
+    message = re.sub(r"(?<![\w.])overwrite=True\b", "--overwrite", message)
+    return re.sub(r"(?<![\w.])engine='(\w+)'", r"--engine \1", message)
+
+
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 

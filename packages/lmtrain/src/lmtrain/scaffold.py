@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmtrain.errors import LmtrainError
+from lmtrain.errors import LmtrainError, in_flags
 from lmtrain.probes import ProbeCache, set_matmul_library, shapes
 from lmtrain.run_plan import RunOptions, RunPlan, World
 from lmtrain.run_record import RUN_FILE, RunRecord, read_run_record, write_run_record
@@ -261,7 +261,7 @@ def fit(
         if after is not None:
             out["after"] = after(model)
     except (ConfigError, CheckpointError) as exc:
-        raise LmtrainError(str(exc)) from exc
+        raise LmtrainError(in_flags(str(exc))) from exc
     except CollectiveError as exc:
         raise LmtrainError(
             f"rank {rank} of {run.world.world_size} lost contact with the other ranks (a node or process died, or the "

@@ -341,7 +341,7 @@ class Trainer:
         if saved_engine != self.engine.name:
             raise CheckpointError(
                 f"{ckpt} was written by engine {saved_engine!r}; TrainConfig.engine={self.engine.name!r} cannot "
-                f"read it: resume with engine={saved_engine!r} (lmtrain train --engine {saved_engine})"
+                f"read it: resume with engine={saved_engine!r}"
             )
         if saved_world != self.world_size:
             self._say(f"{ckpt.name} was written by {saved_world} rank(s); resuming on {self.world_size}")
@@ -505,8 +505,7 @@ class Trainer:
                 names = "; ".join(f"{p.name}: {why}" for p, why in unusable[:3])
                 raise CheckpointError(
                     f"{self.store.root}: {len(unusable)} checkpoint(s), none usable ({names}): "
-                    "nothing was changed; restore one, or start over (overwrite=True, lmtrain --overwrite: deletes "
-                    "them)"
+                    "nothing was changed; restore one, or start over (overwrite=True deletes them)"
                 )
             else:
                 self._say(f"no checkpoint under {self.run_dir}: starting from step 0")
@@ -581,8 +580,8 @@ class Trainer:
         if found.item() and not overwrite:
             where = f" (steps {existing[0]}..{existing[-1]})" if existing else ""
             raise CheckpointError(
-                f"{self.store.root} already holds checkpoints{where}: resume them (resume=True, lmtrain --resume) "
-                "or delete them and start over (overwrite=True, lmtrain --overwrite)"
+                f"{self.store.root} already holds checkpoints{where}: resume them (resume=True) or delete them and "
+                "start over (overwrite=True)"
             )
         if existing:
             self.store.clear()
