@@ -57,13 +57,13 @@ def report(grid_name: str, workers: int) -> int:
     print("cell: shared bytes / registers / spill-store bytes; '-': the config does not fit that target\n")
     targets = list(GPU_TARGETS)
     cells: dict[tuple, dict[str, str]] = {}
-    budgets: dict[tuple, int] = {}
+    budgets: dict[tuple, dict[str, int]] = {}
     problems = []
     for row in rows:
         key = (row.kernel, DTYPE_NAMES[row.dtype], row.head_dim, str(row.config))
         f = row.fit
         cells.setdefault(key, {})[row.target] = f"{f.shared_bytes} / {f.registers} / {f.spill_stores}"
-        budgets[key] = row.spill_budget
+        budgets.setdefault(key, {})[row.target] = row.spill_budget
         problems += [f"{' '.join(map(str, key))} on {row.target}: {p}" for p in row.problems()]
     limits = " | ".join(f"{t} ({GPU_TARGETS[t][1]} B)" for t in targets)
     print(f"| kernel | dtype | D | config | {limits} | spill budget |")
@@ -71,7 +71,9 @@ def report(grid_name: str, workers: int) -> int:
     for key, by_target in cells.items():
         kernel, dtype, d, config = key
         line = " | ".join(by_target.get(t, "-") for t in targets)
-        print(f"| {kernel} | {dtype} | {d} | {config} | {line} | {budgets[key]} |")
+        budget = sorted(set(budgets[key].values()))  # one number, or one per target where they differ (sm_80)
+        budget_cell = str(budget[0]) if len(budget) == 1 else " / ".join(str(budgets[key].get(t, "-")) for t in targets)
+        print(f"| {kernel} | {dtype} | {d} | {config} | {line} | {budget_cell} |")
     compiles = len({(r.kernel, r.dtype, r.head_dim, r.config, r.compiled_as) for r in rows})
     print(f"\n{len(rows)} (target, config) rows from {compiles} compiles in {seconds:.0f} s, {workers} worker(s)")
     print(f"compile cache: {fit_cache_dir()}")

@@ -62,7 +62,9 @@ def test_candidates_are_distinct_and_the_spill_budget_is_zero_but_for_the_stated
         for dtype in DTYPES:
             for d in (64, 128, 256):
                 configs = candidate_configs(kernel, dtype, d)
-                assert len(set(configs)) == len(configs) >= 3, (kernel, dtype, d)
+                # fp32 dK/dV at D=256: only two tiles fit and spill nothing under every Triton measured (launch_configs)
+                fewest = 2 if (kernel, dtype, d) == ("dkdv", torch.float32, 256) else 3
+                assert len(set(configs)) == len(configs) >= fewest, (kernel, dtype, d)
                 for capability in [(8, 6), (8, 9), (9, 0)]:
                     assert spill_budget(kernel, dtype, d, capability) == 0
                 assert spill_budget(kernel, dtype, d, (8, 0)) == (0 if kernel == "fwd" else 64)

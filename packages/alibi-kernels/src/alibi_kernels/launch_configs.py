@@ -4,12 +4,12 @@ Every kernel ("fwd", "dkdv", "dq") has a short list of candidate tiles per dtype
 A config launches only if its shared memory fits the device's opt-in limit per block; Triton scores a config that
 fails as infinitely slow and, when every config fails, launches config 0 and raises "out of resources". The shared
 bytes of every candidate were measured by compiling it ahead of time with the arguments this package's launch code
-passes (`alibi_kernels.compile_fit`, Triton 3.9) and are stored in `shared_memory.json`; sm_80, sm_86 and sm_89
-compile to the same Triton GPU IR and share one column, sm_90 (wgmma) has its own. A head-dim class is measured
-at its widest head dim (64, 128, 256), an upper bound for the narrower ones. `tests/test_launch_fit.py`
-recompiles the configs and fails when the table is stale, when a returned config exceeds a target's limit or
-spills more registers than its budget. On a GPU the launch code still catches "out of resources" (another Triton
-version may allocate differently) and moves to the next config.
+passes (`alibi_kernels.compile_fit`; Triton 3.6.0 to 3.9.0 give the same bytes) and are stored in
+`shared_memory.json`; sm_80, sm_86 and sm_89 compile to the same Triton GPU IR and share one column, sm_90 (wgmma)
+has its own. A head-dim class is measured at its widest head dim (64, 128, 256), an upper bound for the narrower
+ones. `tests/test_launch_fit.py` recompiles the configs and fails when the table is stale, when a returned config
+exceeds a target's limit or spills more registers than its budget. On a GPU the launch code still catches "out of
+resources" (a Triton version not measured may allocate differently) and moves to the next config.
 """
 
 from __future__ import annotations
@@ -75,26 +75,33 @@ def _tiles(*shapes: tuple[int, int, int, int]) -> tuple[TileConfig, ...]:
 
 
 # (kernel, bytes per element, head-dim class) -> candidates, best first (the no-autotune path launches the first
-# that fits). Chosen by compiling candidates for sm_86 and sm_90 (benchmarks/fit_report.py): every one fits sm_86's
-# 99 KiB of shared memory (so all four targets), and none spills more than `spill_budget` on any of them. Spilling
-# ones were dropped: with 4 warps, dK/dV and fp32 tiles of 32 rows or more run out of registers (fp32 dots are FMA
-# loops that keep operand fragments in registers). fp32 takes 8 or 16 warps and 16- or 32-row tiles: the accurate
-# path, not the fast one. Three per list keep the CI fit check short.
+# that fits). Chosen by compiling candidates for sm_86 and sm_90 (benchmarks/fit_report.py) under Triton 3.6.0 (the
+# H200 check host's), 3.7.1 (what torch 2.13's CUDA wheels install), 3.8.0 (the newest for Python 3.10) and 3.9.0
+# (CI's): every one fits sm_86's 99 KiB of shared memory (so all four targets; the bytes were the same under all four
+# versions), and none spills more than `spill_budget` under any of them. The versions differ in registers, not in
+# shared memory: older Triton emits other PTX for the same tile, and on it ptxas (12.8 to 13.4 alike) may stop at 64,
+# 80 or 128 registers and spill a few bytes, so 14 tiles that 3.9 compiles without spills spilled 4 to 188 bytes under
+# an older one. Those were replaced by the same tile with fewer stages or another warp count where that is spill-free
+# under all four, else by a neighbouring shape. 4 warps suit only small tiles: 16-bit dK/dV tiles of 64 x 64 and up,
+# and fp32 tiles of 32 rows and up at head dims 128 and 256, run out of registers with them (fp32 dots are FMA loops
+# that keep operand fragments in registers). fp32 takes 8 or 16 warps (4 on one small dK/dV tile) and 16- or 32-row
+# tiles: the accurate path, not the fast one. Three per list keep the CI fit check short; fp32 dK/dV at head dim 256
+# has two, the only ones of the 22 tried within sm_86's shared memory that spill nothing under all four versions.
 _CANDIDATES: dict[tuple[str, int, int], tuple[TileConfig, ...]] = {
     ("fwd", 2, 64): _tiles((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)),
     ("fwd", 2, 128): _tiles((128, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 2)),
-    ("fwd", 2, 256): _tiles((64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)),
+    ("fwd", 2, 256): _tiles((64, 32, 8, 2), (32, 64, 4, 2), (32, 32, 4, 2)),
     ("fwd", 4, 64): _tiles((32, 32, 8, 2), (16, 64, 8, 1), (32, 16, 8, 1)),
     ("fwd", 4, 128): _tiles((32, 16, 8, 1), (16, 32, 8, 1), (16, 16, 8, 1)),
-    ("fwd", 4, 256): _tiles((16, 32, 8, 1), (32, 16, 8, 1), (16, 16, 8, 1)),
-    ("dkdv", 2, 64): _tiles((64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)),
+    ("fwd", 4, 256): _tiles((16, 32, 8, 2), (32, 16, 8, 1), (16, 16, 8, 1)),
+    ("dkdv", 2, 64): _tiles((64, 64, 8, 1), (32, 128, 8, 2), (64, 128, 8, 1)),
     ("dkdv", 2, 128): _tiles((64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 8, 2)),
     ("dkdv", 2, 256): _tiles((32, 32, 8, 1), (16, 32, 8, 1), (32, 16, 4, 1)),
-    ("dkdv", 4, 64): _tiles((32, 32, 8, 1), (16, 32, 8, 1), (32, 16, 8, 1)),
-    ("dkdv", 4, 128): _tiles((32, 32, 8, 2), (16, 64, 8, 1), (32, 16, 8, 1)),
-    ("dkdv", 4, 256): _tiles((16, 32, 8, 1), (16, 32, 16, 1), (16, 16, 8, 2)),
+    ("dkdv", 4, 64): _tiles((16, 32, 8, 1), (32, 16, 4, 1), (16, 32, 8, 2)),
+    ("dkdv", 4, 128): _tiles((16, 64, 8, 2), (16, 64, 16, 1), (16, 16, 8, 1)),
+    ("dkdv", 4, 256): _tiles((16, 32, 16, 1), (16, 32, 16, 2)),
     ("dq", 2, 64): _tiles((128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3)),
-    ("dq", 2, 128): _tiles((64, 64, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2)),
+    ("dq", 2, 128): _tiles((64, 64, 4, 1), (64, 32, 8, 2), (32, 128, 8, 1)),
     ("dq", 2, 256): _tiles((32, 64, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1)),
     ("dq", 4, 64): _tiles((32, 32, 8, 2), (16, 64, 8, 1), (32, 32, 8, 1)),
     ("dq", 4, 128): _tiles((16, 64, 8, 1), (32, 16, 8, 1), (16, 32, 8, 1)),
@@ -189,7 +196,8 @@ def spill_budget(kernel: str, dtype: torch.dtype, head_dim: int, capability: tup
 
     Zero for the forward everywhere, and for the backward kernels at head dims 64, 128 and 256 on sm_86, sm_89 and
     sm_90. 64 bytes for the backward at padded head dims (80, 96, ...: the masked loads of the padding cost
-    registers) and on sm_80, whose ptxas allocates differently: the full fit grid measured up to 44 bytes there.
+    registers) and on sm_80, whose ptxas allocates differently: the full fit grid measured up to 44 bytes there
+    (under each of Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0).
 
     Example:
         >>> spill_budget("dkdv", torch.bfloat16, 128), spill_budget("dkdv", torch.bfloat16, 80)
