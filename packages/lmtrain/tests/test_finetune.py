@@ -339,3 +339,21 @@ def test_gzip_and_plain_read_alike(made, tmp_path):
     packed = tmp_path / "pairs.jsonl.gz"
     packed.write_bytes(gzip.compress(made["pairs"].read_bytes()))
     assert read_samples(packed) == read_samples(made["pairs"])
+
+
+def test_the_batches_resume_at_the_same_row_on_another_number_of_ranks():
+    from lmtrain.chat import ChatBatches
+
+    samples = [([i, i + 1, i + 2], [i, i + 1, i + 2]) for i in range(64)]
+    two = [ChatBatches(samples, 8, 4, 0, batching="pad", rank=r, world_size=2) for r in range(2)]
+    for batches in two:
+        it = iter(batches)
+        for _ in range(3):  # 3 global batches of 8 rows
+            next(it)
+    one = ChatBatches(samples, 8, 4, 0, batching="pad")
+    one.load_state_dict(two[0].state_dict())
+    whole = ChatBatches(samples, 8, 4, 0, batching="pad")
+    it = iter(whole)
+    for _ in range(6):  # the same 24 rows on one rank
+        next(it)
+    assert torch.equal(next(iter(one))[0], next(it)[0])

@@ -412,10 +412,15 @@ class ChatBatches:
             self.epoch, self.batch = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batch": self.batch}
+        """The position: the epoch and the rows of it already drawn by all ranks together (a count that holds on
+        any number of ranks: a resume on another world size continues at the same row)."""
+        return {"epoch": self.epoch, "batch": self.batch, "rows": self.batch * self.micro_batch * self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self.epoch = int(state["epoch"])
+        per_batch = self.micro_batch * self.world_size
+        rows = int(state["rows"]) if "rows" in state else None  # positions saved before the count was kept
+        self.batch = int(state["batch"]) if rows is None else -(-rows // per_batch)
 
 
 def eval_batches(
