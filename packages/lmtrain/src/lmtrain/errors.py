@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import errno
-import re
 import os
+import re
 
 
 class LmtrainError(Exception):
