@@ -146,5 +146,5 @@ def test_a_parameter_with_its_own_all_gather_must_split_into_equal_shards():
     with pytest.raises(ConfigError) as exc:
         check_even_shards(model, 2)
     text = _one_line(exc)
-    assert "engine='fsdp' on 2 ranks: 0.weight (a Packed of shape (3, 4)) does not split into 2 equal shards" in text
+    assert "engine='fsdp' on 2 ranks: 0.weight (Packed, shape (3, 4)) does not split into 2 equal shards" in text
     assert "(3 rows)" in text and "engine='torch'" in text

@@ -95,7 +95,7 @@ def check_even_shards(model: nn.Module, world_size: int) -> list[nn.Parameter]:
                 why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if why:
             raise ConfigError(
-                f"TrainConfig.engine='fsdp' on {world_size} ranks: {name} (a {kind} of shape {shape}) does not split "
+                f"TrainConfig.engine='fsdp' on {world_size} ranks: {name} ({kind}, shape {shape}) does not split "
                 f"into {world_size} equal shards ({why}); run on a number of ranks that divides it (2, 4 or 8 for "
                 "lmcore's NF4 weights), or use engine='torch'"
             )
