@@ -149,8 +149,11 @@ def quantize_frozen_linears(model: M, skip: tuple[str, ...] = ("lm_head",)) -> M
         and attr not in skip
         and child.weight.numel() % NF4_BLOCK == 0  # whole blocks of 64 (every width a multiple of 64 qualifies)
     ]
-    for parent, attr, child in found:
+    found.reverse()
+    while found:  # one layer at a time: each fp32 weight is freed as soon as its NF4 copy replaces it
+        parent, attr, child = found.pop()
         setattr(parent, attr, NF4Linear(child))
+        del child
     return model
 
 
