@@ -4,9 +4,10 @@ under torchrun with the FSDP engine. The argument is a JSON object: ``run_dir``,
 (``d_model``, ``n_layer``, ``seq``).
 
 Every rank prints ``RANK {...}`` (one write: ranks share stdout): the NF4 weights it holds (numel and a digest of
-their codes, layer by layer), their bytes, their types (DTensor where sharded), its peak RSS and its RSS at the end
-(Linux). A one-process run also prints the digests of its codes cut into 2 row blocks, the shards 2 ranks must hold.
-Rank 0 writes the adapters as ``lmcore.lora_state`` gathers them to ``RUN_DIR/adapters.safetensors``.
+their codes, layer by layer), their bytes and those of all its parameters, their types (DTensor where sharded), its
+peak RSS once the model is built (and quantized) and at the end, and its RSS at the end (Linux). A one-process run
+also prints the digests of its codes cut into 2 row blocks, the shards 2 ranks must hold. Rank 0 writes the adapters
+as ``lmcore.lora_state`` gathers them to ``RUN_DIR/adapters.safetensors``.
 
 The data is a function of the global row index: a step trains on the same rows whatever the number of ranks, and
 the position it saves (rows consumed) means the same on any number of ranks.
@@ -61,6 +62,19 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds: its shards under FSDP, an NF4 weight as its stored tensors."""
+    total = 0
+    for param in model.parameters():
+        local = nf4_local(param)
+        if hasattr(local, "quantized_data"):  # torchao's NF4Tensor
+            inner, _ = local.__tensor_flatten__()
+            total += sum(getattr(local, n).numel() * getattr(local, n).element_size() for n in inner)
+        else:
+            total += local.numel() * local.element_size()
+    return total
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -70,6 +84,7 @@ def main() -> None:
     model = apply_lora(GPT(cfg), targets=["q", "v"], r=4, alpha=8.0)
     if args.get("method", "qlora") == "qlora":
         quantize_frozen_linears(model)
+    built_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the fp32 model and its quantization
     engine = args.get("engine", "torch")
     fsdp = {"fsdp_checkpoint": args.get("fsdp_checkpoint", "sharded")} if engine == "fsdp" else {}
     train = TrainConfig(engine=engine, lr=3e-2, min_lr=1e-3, warmup_steps=1, max_steps=args.get("max_steps", 6),
@@ -85,7 +100,9 @@ def main() -> None:
         "world": world,
         "codes": {n: [codes.numel(), digest(codes)] for n, codes in held.items()},
         "quantized_bytes": sum(m.quantized_bytes() for m in layers.values()),
+        "param_bytes": held_bytes(model),
         "weight_types": sorted({type(m.weight).__name__ for m in layers.values()}),
+        "peak_rss_built_mib": built_peak,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rss_mib": int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20,
         "checkpoint": out["checkpoint"],
