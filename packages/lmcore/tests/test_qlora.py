@@ -72,3 +72,29 @@ def test_qlora_loss_falls_and_only_adapters_move():
     assert losses[-1] < losses[0] - 0.1
     assert torch.equal(model.layers[0].self_attn.q_proj.base.weight.quantized_data, codes)
     assert len(lora_modules(model)) == 8
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (32, 64), (128, 64), (64, 96), (576, 576), (256, 1536), (8960, 1536)])
+def test_scale_blocks_split_into_whole_blocks_over_2_4_8_ranks(shape):
+    numel = shape[0] * shape[1]
+    blocks, scales = numel // qlora.NF4_BLOCK, qlora.scaler_block_for(numel)
+    assert blocks % scales == 0 and scales <= qlora.NF4_SCALER_BLOCK and (blocks // scales) % 8 == 0
+    if blocks % (qlora.NF4_SCALER_BLOCK * 8) == 0:
+        assert scales == qlora.NF4_SCALER_BLOCK  # a layer of a real model keeps the QLoRA paper's 256
+    if numel > 256 * 1024:
+        return  # dequantizing the large ones below is slow and shows nothing new
+    torch.manual_seed(0)
+    layer = qlora.NF4Linear(torch.nn.Linear(shape[1], shape[0], bias=False))
+    whole = layer.dequantized()
+    for ranks in (2, 4, 8):
+        # FSDP's fully_shard cuts each NF4 weight with torch.chunk on its rows: every shard is a valid NF4 tensor of
+        # whole scale blocks, holding exactly its rows of the layer's weight.
+        shards = torch.chunk(layer.weight.detach(), ranks, dim=0)
+        assert [tuple(s.shape) for s in shards] == [(shape[0] // ranks, shape[1])] * ranks
+        assert torch.equal(torch.cat([s.get_original_weight() for s in shards]), whole)
+        assert sum(s.quantized_data.numel() for s in shards) == layer.weight.quantized_data.numel()
+
+
+def test_a_layer_too_small_for_8_ranks_takes_the_largest_split_it_allows():
+    assert qlora.scaler_block_for(12 * 64) == 3  # 12 blocks: 4 scale blocks of 3 (8 does not divide 12, 4 does)
+    assert qlora.scaler_block_for(3 * 64) == 3  # 3 blocks: one scale block (no power of two above 1 divides 3)

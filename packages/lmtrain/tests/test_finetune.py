@@ -251,7 +251,7 @@ def _other_tokenizer(tmp, made):
         (None, ["--lora-r", "0"], "--lora-r 0: expected a positive integer"),
         (None, ["--lora-targets", "qq"], "unknown LoRA target 'qq'"),
         (None, ["--val-fraction", "1.5"], "--val-fraction 1.5: expected a fraction in (0, 1)"),
-        (None, ["--method", "qlora", "--engine", "fsdp"], "--method qlora with --engine fsdp"),
+        (None, ["--method", "qlora", "--engine", "deepspeed"], "--method qlora with --engine deepspeed"),
     ],
 )
 def test_bad_sources_and_settings_are_one_line(made, tmp_path, capsys, setup, flags, words):

@@ -125,3 +125,26 @@ def test_sharded_checkpoint_files_are_read_without_running_code(tmp_path):
     buf.seek(0)
     planner.load_bytes(SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.0.lr")), buf)
     assert planner.state_dict == {"optimizer.param_groups.0.lr": 0.01}
+
+
+class Packed(torch.Tensor):
+    """A stand-in for a quantized weight type with FSDP2's all-gather extension (torchao's NF4Tensor has one)."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        raise NotImplementedError
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        raise NotImplementedError
+
+
+def test_a_parameter_with_its_own_all_gather_must_split_into_equal_shards():
+    from trainloop.engine_fsdp import check_even_shards
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model[0].weight = nn.Parameter(model[0].weight.detach().as_subclass(Packed), requires_grad=False)
+    assert check_even_shards(model, 3) == [model[0].weight]  # plain tensors (the rest) FSDP pads as it likes
+    with pytest.raises(ConfigError) as exc:
+        check_even_shards(model, 2)
+    text = _one_line(exc)
+    assert "engine='fsdp' on 2 ranks: 0.weight (Packed, shape (3, 4)) does not split into 2 equal shards" in text
+    assert "(3 rows)" in text and "engine='torch'" in text

@@ -7,6 +7,11 @@ The layer dequantizes on the fly and multiplies in the input's dtype (the run's:
 A model's ``state_dict`` holds the dequantized base weights under the plain layer's names, so a QLoRA checkpoint
 is read back (eval, generate, export) as a LoRA model computing the same function; loading a state dict into a
 quantized model keeps its own NF4 weights (they were quantized from the run's source and do not change).
+
+Under FSDP (``fully_shard``, trainloop's engine "fsdp") each NF4 weight is sharded as it is stored: torchao's
+NF4Tensor all-gathers its codes, scales and factors itself, and each rank keeps whole rows of whole int8 scale
+blocks (:func:`scaler_block_for` makes every layer's count of them split over 2, 4 or 8 ranks). The state dict then
+holds each rank's rows dequantized, as a DTensor, which the checkpoint gathers or writes shard by shard.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from lmcore.extras import MissingExtraError, install_hint
 
 NF4_BLOCK = 64  # weights per absmax scale
 NF4_SCALER_BLOCK = 256  # scales per int8 block of the double quantization
+NF4_SHARDS = 8  # the int8 blocks of a layer number a multiple of this where its size allows (scaler_block_for)
 # The widest gap between two neighbouring NF4 codes (-1.0 .. -0.6962; the code is asymmetric, 0.7230 .. 1.0 on
 # the positive side): a weight lands at most half of it, times its block's scale, from its code.
 NF4_MAX_HALF_GAP = (1.0 - 0.6961928009986877) / 2
@@ -39,16 +45,36 @@ def require_nf4() -> Any:
     return nf4_tensor
 
 
-def scaler_block_for(numel: int, block_size: int = NF4_BLOCK) -> int:
-    """The scales per int8 block: NF4_SCALER_BLOCK, or the largest count below it that divides the layer's number
-    of blocks (torchao needs whole blocks; a small layer has fewer than 256 scales).
+def scaler_block_for(numel: int, block_size: int = NF4_BLOCK, shards: int = NF4_SHARDS) -> int:
+    """The scales per int8 block: the largest count up to NF4_SCALER_BLOCK that divides the layer's number of blocks
+    (torchao needs whole blocks) into a multiple of ``shards`` int8 blocks, or of the largest power of two below
+    ``shards`` that the layer allows. The format does not depend on the number of ranks a run has, and FSDP's
+    ``fully_shard`` can split each layer into whole int8 blocks over 2, 4 or 8 ranks (where its rows split evenly).
 
     Example:
         >>> scaler_block_for(1024 * 256), scaler_block_for(64 * 64), scaler_block_for(64 * 96)
-        (256, 64, 96)
+        (256, 8, 12)
     """
     blocks = numel // block_size
+    multiple = shards
+    while multiple > 1:
+        fits = [s for s in range(min(NF4_SCALER_BLOCK, blocks // multiple), 0, -1) if blocks % (s * multiple) == 0]
+        if fits:
+            return fits[0]
+        multiple //= 2
     return next(s for s in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % s == 0)
+
+
+def nf4_local(weight: Tensor) -> Any:
+    """The NF4Tensor this process holds: ``weight`` itself, or its local shard where FSDP made it a DTensor.
+
+    Example (needs torchao):
+        >>> layer = NF4Linear(nn.Linear(64, 64))
+        >>> nf4_local(layer.weight) is layer.weight, tuple(nf4_local(layer.weight).quantized_data.shape)
+        (True, (2048,))
+    """
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if callable(to_local) else weight
 
 
 class NF4Linear(nn.Module):
@@ -70,13 +96,20 @@ class NF4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def dequantized(self) -> Tensor:
-        """The weight the layer computes with, as a plain tensor (out, in)."""
-        weight: Any = self.weight  # torchao's NF4Tensor
-        return weight.get_original_weight()
+        """The weight the layer computes with, as a plain tensor (out, in); under FSDP (a DTensor of NF4 shards),
+        a DTensor of the same layout holding this rank's rows dequantized."""
+        weight: Any = self.weight  # torchao's NF4Tensor, or a DTensor whose local shard is one
+        local = nf4_local(weight)
+        if local is weight:
+            return local.get_original_weight()
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.get_original_weight(), weight.device_mesh, weight.placements,
+                                  shape=weight.shape, stride=weight.stride())  # fmt: skip
 
     def quantized_bytes(self) -> int:
-        """Bytes of the NF4 weight: codes, int8 scales and their factors."""
-        weight: Any = self.weight  # torchao's NF4Tensor: its inner tensors are what it stores
+        """Bytes of the NF4 weight this process holds (its shard, under FSDP): codes, int8 scales, their factors."""
+        weight: Any = nf4_local(self.weight)  # torchao's NF4Tensor: its inner tensors are what it stores
         inner, _ = weight.__tensor_flatten__()
         return sum(getattr(weight, name).numel() * getattr(weight, name).element_size() for name in inner)
 
@@ -116,8 +149,11 @@ def quantize_frozen_linears(model: M, skip: tuple[str, ...] = ("lm_head",)) -> M
         and attr not in skip
         and child.weight.numel() % NF4_BLOCK == 0  # whole blocks of 64 (every width a multiple of 64 qualifies)
     ]
-    for parent, attr, child in found:
+    found.reverse()
+    while found:  # one layer at a time: each fp32 weight is freed as soon as its NF4 copy replaces it
+        parent, attr, child = found.pop()
         setattr(parent, attr, NF4Linear(child))
+        del child
     return model
 
 

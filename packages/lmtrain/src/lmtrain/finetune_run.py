@@ -90,10 +90,9 @@ class FinetuneRequest:
         if not 0.0 < self.val_fraction < 1.0:
             raise LmtrainError(f"--val-fraction {self.val_fraction!r}: expected a fraction in (0, 1)")
         engine = "deepspeed" if self.deepspeed is not None else self.engine
-        if engine in ("fsdp", "deepspeed") and self.method == "qlora":
-            raise LmtrainError(f"--method qlora with --engine {engine}: the 4-bit base weights are not sharded by "
-                               f"{'fully_shard' if engine == 'fsdp' else 'ZeRO'}; use --engine torch for QLoRA, or "
-                               f"--method lora with {engine}")  # fmt: skip
+        if engine == "deepspeed" and self.method == "qlora":
+            raise LmtrainError("--method qlora with --engine deepspeed: ZeRO does not shard the 4-bit base weights; "
+                               "use --engine fsdp (or torch) for QLoRA, or --method lora with deepspeed")  # fmt: skip
         if self.batching not in ("pack", "pad"):
             raise LmtrainError(f"--batching {self.batching!r}: expected pack or pad")
         if self.too_long not in ("truncate", "skip"):

@@ -5,6 +5,10 @@ Every parameter becomes a DTensor sharded on dim 0 over the ranks, and so do its
 element of a gradient lives on exactly one rank, so per-group squared sums of the local shards, all-reduced, give
 the exact norms of the full gradients, and the clip factor scales the local shards in place before the step.
 
+A parameter whose tensor type brings its own all-gather (FSDP2's extension: torchao's NF4 weights of QLoRA) is
+sharded as that type stores it, each rank holding whole rows of it; a number of ranks that cannot split it into equal
+shards is refused before anything trains (:func:`check_even_shards`).
+
 Checkpoints (:mod:`trainloop.fsdp_checkpoint`) are either one shard file per rank under ``dcp/`` (the default:
 any number of ranks loads them, the shards re-split as they load) or, with ``fsdp_checkpoint="full"``, the whole
 state gathered on rank 0 and broadcast from it on load. Both write the consolidated fp32 weights that evaluation,
@@ -68,6 +72,36 @@ def shard_units(model: nn.Module, class_names: Sequence[str] | None = None) -> l
     return sorted(units, key=lambda m: -depth.get(id(m), 0))  # inner units first: fully_shard goes bottom-up
 
 
+def check_even_shards(model: nn.Module, world_size: int) -> list[nn.Parameter]:
+    """The parameters whose tensor type brings its own all-gather (FSDP2's ``fsdp_pre_all_gather`` extension, such as
+    torchao's NF4 weights of QLoRA), each checked to split into ``world_size`` equal row blocks: FSDP pads an uneven
+    last shard, which such a format cannot hold (an NF4 shard is whole rows of whole int8 scale blocks). One that does
+    not split is refused (ConfigError naming it and the fix).
+
+    Example:
+        >>> check_even_shards(nn.Linear(4, 4), 2)  # plain tensors: FSDP shards any of them
+        []
+    """
+    found = [(n, p) for n, p in model.named_parameters() if hasattr(p, "fsdp_pre_all_gather")]
+    for name, param in found:
+        kind, shape = type(param).__name__, tuple(param.shape)
+        why = "no rows" if not shape else f"{shape[0]} rows" if shape[0] % world_size else ""
+        if not why:
+            try:
+                shards = torch.chunk(param.detach(), world_size, dim=0)
+                if len(shards) != world_size or any(tuple(s.shape) != shards[0].shape for s in shards):
+                    why = "unequal shards"
+            except (AssertionError, NotImplementedError, RuntimeError) as exc:  # the format's own refusal
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if why:
+            raise ConfigError(
+                f"TrainConfig.engine='fsdp' on {world_size} ranks: {name} ({kind}, shape {shape}) does not split "
+                f"into {world_size} equal shards ({why}); run on a number of ranks that divides it (2, 4 or 8 for "
+                "lmcore's NF4 weights), or use engine='torch'"
+            )
+    return [p for _, p in found]
+
+
 class FSDPEngine(SteppingEngine):
     """``fully_shard`` with bf16 compute and fp32 gradient reduction for ``precision="bf16"`` (fp32 everywhere for
     "fp32"), optionally ``CPUOffloadPolicy``; gradients reduce-scattered only on the micro-batch that steps.
@@ -88,6 +122,10 @@ class FSDPEngine(SteppingEngine):
         self.device = device
         self.world_size = world_size
         units = shard_units(model, config.fsdp_units)
+        extended = check_even_shards(model, world_size)
+        # On one rank torch 2.13's fully_shard takes a shortcut that copies only the first of the tensors an extension
+        # all-gathers (NF4: codes, scales, factors), so frozen ones stay out of it: one rank has nothing to shard.
+        ignored = {p for p in extended if not p.requires_grad} if world_size == 1 else set()
         if not config.fsdp_cpu_offload:
             model.to(device)  # offloaded shards stay on the host; fully_shard moves the rest to the mesh's device
         mesh = init_device_mesh(device.type, (world_size,))
@@ -98,8 +136,8 @@ class FSDPEngine(SteppingEngine):
         )
         offload = CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy()
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
-        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
         self.module = model
         self.n_units = len(units)
         self.optimizer = make_adamw(model, config)
