@@ -175,7 +175,7 @@ def generate_answers(model: Any, sp: Any, run: Any, prompts: Sequence[Any], *, m
             if end in new:
                 new = new[: new.index(end)]
         text = decode(sp, new)
-        if plain and not isinstance(prompt, str):
+        if plain and template is not None and not isinstance(prompt, str):
             text = text.split(template.end)[0]  # the plain template's end of turn is text
         answers.append(text)
     return answers

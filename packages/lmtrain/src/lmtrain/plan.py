@@ -125,7 +125,7 @@ def plan_run(request: TrainRequest, data: DataInfo, world: World) -> RunPlan:
                 f"model vocab_size={model_cfg.vocab_size} < the tokenizer's {meta['vocab_size']}: token ids would "
                 "index past the embedding table"
             )
-        _check_token_counts(request, meta, data, data_cfg.seq_len)
+        _check_token_counts(request, meta, data, data_cfg.seq_len or model_cfg.context_length)
         if request.blend_spec is not None and data_cfg.sampler != "random":
             raise LmtrainError(f"--data {request.blend_spec}: a blend draws its windows at random by weight; drop "
                                f"--set sampler={data_cfg.sampler}")  # fmt: skip
