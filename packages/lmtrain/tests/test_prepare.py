@@ -188,3 +188,28 @@ def test_missing_pyarrow_names_the_checkout_directory_once(tmp_path, capsys):
     hint = install_hint("parquet", "lmtools-tokbin")
     assert code == 2 and err.endswith(f"needs pyarrow: {hint}") and err.count("pip install") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_prepare_with_a_runs_tokenizer_continues_that_run_on_new_data(tmp_path, capsys):
+    import tokbin
+    from lmtrain.cli import main
+    from lmtrain.corpus import build_corpus
+    from lmtrain.examples import tiny_run
+
+    (tmp_path / "first").mkdir()
+    run = tiny_run(tmp_path / "first")
+    new = tmp_path / "new.txt"
+    build_corpus(new, 60_000)
+    assert main(["prepare", "--text", str(new), "--out", str(tmp_path / "data2"), "--tokenizer", str(run),
+                 "--quiet"]) == 0  # fmt: skip
+    meta = json.loads((tmp_path / "data2" / "meta.json").read_text())
+    assert meta["tokenizer_sha256"] == tokbin.file_sha256(run / "tokenizer.model")
+    assert tokbin.open_tokens(tmp_path / "data2" / "train.bin").tokenizer_sha256 == meta["tokenizer_sha256"]
+    assert main(["train", "--data", str(tmp_path / "data2"), "--out", str(tmp_path / "more"), "--init-from",
+                 f"{run}:latest", "--max-steps", "1", "--no-progress"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["prepare", "--text", str(new), "--out", str(tmp_path / "data3"), "--tokenizer",
+                 str(tmp_path / "nothing")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tokenizer" in err and "no such file" in err, err
+    assert not (tmp_path / "data3").exists()

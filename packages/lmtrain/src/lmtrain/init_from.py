@@ -92,7 +92,7 @@ def read_init_source(spec: str, data_tokenizer_sha256: str | None, *, flag: str 
         raise LmtrainError(
             f"{flag} {spec}: the run was trained with tokenizer sha256 {sha}, the data was encoded with sha256 "
             f"{data_tokenizer_sha256}: its token ids mean other pieces there; prepare the data with the run's "
-            f"tokenizer ({tokenizer}), or start from a run trained on this tokenizer"
+            f"tokenizer (`lmtrain prepare --tokenizer {run_dir} ...`), or start from a run trained on this tokenizer"
         )
     step = int(checkpoint.name.rpartition("_")[2]) if checkpoint.name.rpartition("_")[2].isdigit() else None
     config = model.config.to_dict()

@@ -60,6 +60,13 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"], help="SentencePiece model type"
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="RUN_OR_MODEL",
+        help="encode with an existing tokenizer instead of training one: a run directory (its tokenizer.model) or a "
+        "SentencePiece .model file; then `train --init-from RUN` continues that run on this data",
+    )
+    p.add_argument(
         "--tokenizer-sample-mb",
         type=float,
         default=200.0,

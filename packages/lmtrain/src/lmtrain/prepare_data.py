@@ -135,8 +135,12 @@ def prepare(
     shard_mb: float | None = None,
     skip_bad_lines: bool = False,
     clean: bool = False,
+    tokenizer: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Train the tokenizer on a sample of the training corpus, encode both splits, write and return meta.json.
+
+    ``tokenizer`` (a run directory, or a SentencePiece ``.model`` file) encodes with that tokenizer instead of
+    training one: the data then continue a run of it (`lmtrain train --init-from RUN`).
 
     Inputs are files, directories or globs of plain text, JSONL (``jsonl_field``) or Parquet (``parquet_column``).
     Without ``val_texts``, ``val_fraction`` of the documents (default 0.1) is held out by a hash of each document's
@@ -184,13 +188,14 @@ def prepare(
     check_formats(texts, "--text", jsonl_field=jsonl_field, parquet_column=parquet_column)
     if val_texts:
         check_formats(val_texts, "--val-text", jsonl_field=jsonl_field, parquet_column=parquet_column)
+    source = None if tokenizer is None else tokenizer_source(tokenizer)
     out = Path(out_dir)
     _refuse_linked_outputs(out, shard_mb is not None)
     # A failed prepare leaves no partial output: what it added is removed (a shard directory is kept: rerun resumes).
     found = set(os.listdir(out)) if out.is_dir() else None
     try:
         return _prepare(texts, out, val_texts, fraction, vocab_size, model_type, read, fmt_text, split_docs,
-                        workers, progress, sample_mb, shard_mb)  # fmt: skip
+                        workers, progress, sample_mb, shard_mb, source)  # fmt: skip
     except BaseException as exc:
         if shard_mb is None:
             _remove_new(out, found)
@@ -245,38 +250,26 @@ def _prepare(
     progress: bool,
     sample_mb: float,
     shard_mb: float | None,
+    source: Path | None = None,
 ) -> dict[str, Any]:
     import tokbin
-    from lmtrain.chat import CHAT_TOKENS
     from lmtrain.progress import step
-    from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
-    from tokbin.sample import write_sample
 
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     train_split = val_split = None
     if fraction is not None:
         train_split, val_split = tokbin.HashSplit(fraction, "train"), tokbin.HashSplit(fraction, "val")
-    prefix = out / Path(TOKENIZER_FILE).stem
     sample = out / ".tokenizer_sample.txt"
+    sample_bytes = 0
     try:
-        with step(f"tokenizer: a sample of up to {sample_mb:g} MB spread over the training text", enabled=progress,
-                  bar=False):  # fmt: skip
-            sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
-        if sample_bytes == 0:
-            raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
-        try:
-            # The chat template's role and end-of-turn markers are reserved as pieces of their own (lmtrain.chat).
-            options = {**LOSSLESS_SPM_OPTIONS, "user_defined_symbols": [*LOSSLESS_SPM_OPTIONS["user_defined_symbols"],
-                                                                        *CHAT_TOKENS]}  # fmt: skip
-            with step(f"tokenizer: training {model_type} (vocab {vocab_size:,}) on {sample_bytes / 1e6:.3g} MB",
-                      enabled=progress) as bar:  # fmt: skip
-                model = tokbin.train_tokenizer([sample], prefix, vocab_size, model_type=model_type, progress=bar,
-                                               **options)  # fmt: skip
-        except (tokbin.TokenFileError, ValueError) as exc:
-            raise LmtrainError(f"tokenizer training failed: {exc}") from None
-        if model != out / TOKENIZER_FILE:
-            shutil.move(model, out / TOKENIZER_FILE)
+        if source is not None:
+            from lmtrain.scaffold import copy_file
+
+            copy_file(source, out / TOKENIZER_FILE)  # the given tokenizer, byte for byte: the same sha256
+        else:
+            sample_bytes = _train_tokenizer(texts, out, sample, sample_mb, vocab_size, model_type, read, train_split,
+                                            progress)  # fmt: skip
         tokenizer = out / TOKENIZER_FILE
         names = ("train", "val") if shard_mb is not None else ("train.bin", "val.bin")
         options = dict(read, workers=workers)
@@ -312,7 +305,7 @@ def _prepare(
         "tokenizer_sha256": tokbin.file_sha256(tokenizer),
         "tokenizer_sample_bytes": sample_bytes,
         "vocab_size": int(train.tokens.vocab_size),
-        "model_type": model_type,
+        "model_type": model_type if source is None else f"from {source}",
         "eos_id": train.tokens.eos_id,
         "split": {"by": "files"} if fraction is None else {"by": "document hash", "val_fraction": fraction},
         "train": _split_info(train, [str(t) for t in texts], names[0]),
@@ -326,6 +319,54 @@ def _prepare(
     except ValueError as exc:  # trainloop's refusal of a link in place of the file it writes
         raise LmtrainError(str(exc)) from None
     return meta
+
+
+def _train_tokenizer(texts: list[str | os.PathLike], out: Path, sample: Path, sample_mb: float, vocab_size: int,
+                     model_type: str, read: dict[str, Any], train_split: Any, progress: bool) -> int:  # fmt: skip
+    """The lossless SentencePiece model trained on a sample of the training text, into OUT/tokenizer.model; returns
+    the sample's bytes."""
+    import tokbin
+    from lmtrain.chat import CHAT_TOKENS
+    from lmtrain.progress import step
+    from lmtrain.text_codec import LOSSLESS_SPM_OPTIONS
+    from tokbin.sample import write_sample
+
+    with step(f"tokenizer: a sample of up to {sample_mb:g} MB spread over the training text", enabled=progress,
+              bar=False):  # fmt: skip
+        sample_bytes = write_sample(texts, sample, int(sample_mb * 1e6), hash_split=train_split, **read)
+    if sample_bytes == 0:
+        raise LmtrainError(f"{', '.join(map(str, texts))}: no training text found: expected documents to train on")
+    try:
+        # The chat template's role and end-of-turn markers are reserved as pieces of their own (lmtrain.chat).
+        options = {**LOSSLESS_SPM_OPTIONS, "user_defined_symbols": [*LOSSLESS_SPM_OPTIONS["user_defined_symbols"],
+                                                                    *CHAT_TOKENS]}  # fmt: skip
+        with step(f"tokenizer: training {model_type} (vocab {vocab_size:,}) on {sample_bytes / 1e6:.3g} MB",
+                  enabled=progress) as bar:  # fmt: skip
+            model = tokbin.train_tokenizer([sample], out / Path(TOKENIZER_FILE).stem, vocab_size,
+                                           model_type=model_type, progress=bar, **options)  # fmt: skip
+    except (tokbin.TokenFileError, ValueError) as exc:
+        raise LmtrainError(f"tokenizer training failed: {exc}") from None
+    if model != out / TOKENIZER_FILE:
+        shutil.move(model, out / TOKENIZER_FILE)
+    return sample_bytes
+
+
+def tokenizer_source(spec: str | os.PathLike) -> Path:
+    """The SentencePiece model `--tokenizer` names: a run directory's tokenizer.model, or a .model file; anything
+    else is one LmtrainError naming what it found."""
+    import tokbin
+
+    path = Path(spec)
+    model = path / TOKENIZER_FILE if path.is_dir() else path
+    if not model.is_file():
+        found = "a directory without it" if path.is_dir() else "no such file"
+        raise LmtrainError(f"--tokenizer {spec}: expected a run directory holding {TOKENIZER_FILE} or a "
+                           f"SentencePiece .model file, found {found}")  # fmt: skip
+    try:
+        tokbin.load_tokenizer(model)
+    except tokbin.TokenFileError as exc:
+        raise LmtrainError(f"--tokenizer {spec}: {exc}") from None
+    return model
 
 
 def check_meta_numbers(meta: dict[str, Any], where: str | os.PathLike) -> None:
@@ -378,6 +419,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         skip_bad_lines=args.skip_bad_lines,
         clean=args.clean,
         progress=not args.quiet,
+        tokenizer=args.tokenizer,
     )
     for split in ("train", "val"):
         info = meta[split]
