@@ -24,7 +24,7 @@ from lmtrain.parsers import METHODS
 from lmtrain.run_plan import Base, Verify, check_run_options
 from lmtrain.run_record import RunRecord
 from lmtrain.run_summary import RunSummary
-from lmtrain.scaffold import Run, finish, fit, open_run, route_matmuls, settle_cpu
+from lmtrain.scaffold import Run, check_host_memory, finish, fit, open_run, route_matmuls, settle_cpu
 
 # Training settings of a fine-tune unless --set says otherwise: the fine-tuning recipe's cosine to 2e-6, a short
 # warmup, no weight decay on the adapters.
@@ -76,6 +76,7 @@ class FinetuneRequest:
     compile: bool = False
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     next_commands: bool = True  # the closing block lists the commands to run next (the demo prints its own)
+    force: bool = False  # start even past the estimated host memory (lmtrain.scaffold.check_host_memory)
 
     def __post_init__(self) -> None:
         check_run_options(self)
@@ -227,6 +228,7 @@ def _start(request: FinetuneRequest) -> _Start:
 def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     import torch
 
+    import lmcore
     from lmtrain import chat
     from lmtrain.probes import ProbeCache
     from lmtrain.run_plan import settle
@@ -258,6 +260,12 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
 
     base = _base(request, start, saved, seq_len, lambda cfg: batches(cfg, run.world.world_size))
     recorded, cache = saved or start.recorded, ProbeCache()
+    draft = settle(request, base, run.world, saved)
+    frozen = lmcore.n_params(draft.model)
+    if request.method == "full":
+        check_host_memory(run, draft)  # before a probe builds the model
+    else:
+        check_host_memory(run, draft, trainable=_lora_parameters(draft.model, request), frozen=frozen)
     plan = settle_cpu(run, lambda world: settle(request, base, world, saved),
                       lambda p: _model(p, request), recorded=recorded, cache=cache)  # fmt: skip
     plan = dataclasses.replace(plan, notes=plan.notes + _too_short(plan, len(train_enc.samples), run.world.world_size))
@@ -281,8 +289,6 @@ def _run(run: Run, request: FinetuneRequest, as_json: bool) -> RunSummary:
     start = dataclasses.replace(start, source=None)  # its copy of the weights is no longer needed
     eval_data = chat.eval_batches(val_enc.samples, plan.train.micro_batch, start.pad, rank=run.world.rank,
                                   world_size=run.world.world_size)  # fmt: skip
-    import lmcore
-
     # Sharded adapters (fsdp) are gathered on every rank (a collective) before rank 0 writes them.
     out = fit(run, plan, model, train_batches, eval_data, record=record, files=start.files,
               extra_state={"finetune": finetune_record},
@@ -336,6 +342,14 @@ def _base(request: FinetuneRequest, start: _Start, saved: RunRecord | None, seq_
     model = lmcore.ModelConfig.from_dict(dict(start.source.model_config))
     return Base(model, train, DataConfig(seq_len=seq_len), recipe=start.recipe, values=values, check=check,
                 size=size, label=start.label)  # fmt: skip
+
+
+def _lora_parameters(config: Any, request: FinetuneRequest) -> int:
+    """The adapters' parameters for ``config``: r x (in + out) for each targeted linear of each layer."""
+    d, kv, ff = config.d_model, config.n_kv_head * config.head_dim, config.d_ff
+    shapes = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+    targets = [t for name in request.lora_targets for t in (("gate", "up", "down") if name == "mlp" else (name,))]
+    return config.n_layer * request.lora_r * sum(sum(shapes[t]) for t in targets if t in shapes)
 
 
 def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
@@ -489,7 +503,7 @@ def run_finetune(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, val_fraction=args.val_fraction, too_long=args.too_long, max_steps=args.max_steps,
         time_budget_s=args.time_budget, resume=args.resume, overwrite=args.overwrite, verify=args.verify,
         engine=args.engine, deepspeed=args.deepspeed, gpumon=args.gpumon, compile=args.compile,
-        overrides=run_flag_overrides(args),
+        overrides=run_flag_overrides(args), force=args.force,
     )  # fmt: skip
     run_finetune_request(request, as_json=args.json)
     return 0

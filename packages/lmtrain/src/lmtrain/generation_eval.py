@@ -147,9 +147,18 @@ def chat_prompt(run: Any, sp: Any, turns: Sequence[tuple[str, str]]) -> tuple[li
     return encode(sp, template.render(turns, add_generation_prompt=True)), [i for i in (stop, eos) if i is not None]
 
 
+def longest_prompt(model: Any, run: Any) -> int:
+    """The most prompt tokens generation takes without --force: 4 training contexts for ALiBi (it extrapolates, at a
+    cost that grows with the square of the length), the model's own context for rotary positions."""
+    return 4 * run.seq_len if model.config.position == "alibi" else model.config.context_length
+
+
 def generate_answers(model: Any, sp: Any, run: Any, prompts: Sequence[Any], *, max_new_tokens: int,
-                     temperature: float, seed: int | None, top_k: int | None) -> list[str]:  # fmt: skip
-    """The model's answer to each prompt (chat prompts through the run's template, plain ones as text)."""
+                     temperature: float, seed: int | None, top_k: int | None, force: bool = False,
+                     where: str = "--prompt") -> list[str]:  # fmt: skip
+    """The model's answer to each prompt (chat prompts through the run's template, plain ones as text). Every prompt
+    is encoded first: one longer than :func:`longest_prompt` is one LmtrainError before any generation, unless
+    ``force``."""
     import torch
 
     from lmcore import generate
@@ -158,8 +167,8 @@ def generate_answers(model: Any, sp: Any, run: Any, prompts: Sequence[Any], *, m
     template = None if is_base_tokenizer(sp) else run_template(run, sp)
     plain = template is not None and template.name == "plain"
     device = next(model.parameters()).device
-    answers = []
-    for i, prompt in enumerate(prompts):
+    encoded = []
+    for n, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids, ends = encode(sp, prompt), [i for i in (run.eos_id,) if i is not None]
             start = document_start(sp, run.eos_id)
@@ -167,6 +176,16 @@ def generate_answers(model: Any, sp: Any, run: Any, prompts: Sequence[Any], *, m
                 ids = [start, *ids]
         else:
             ids, ends = chat_prompt(run, sp, prompt)
+        if len(ids) > longest_prompt(model, run) and not force:
+            which = f"{where} (prompt {n + 1})" if len(prompts) > 1 else where
+            raise LmtrainError(
+                f"{which}: {len(ids):,} tokens, past the {longest_prompt(model, run):,} this model takes without "
+                "--force (attention's time and memory grow with the square of the length): shorten the prompt, or "
+                "add --force"
+            )
+        encoded.append((ids, ends))
+    answers = []
+    for i, (prompt, (ids, ends)) in enumerate(zip(prompts, encoded, strict=True)):
         out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
                        top_k=top_k, eos_id=ends[0] if ends else None,
                        seed=None if seed is None else seed + i)  # fmt: skip
@@ -213,7 +232,7 @@ def limited(items: list[Any], limit: float | None) -> list[Any]:
 def evaluate_prompts(run_dir: str | os.PathLike, prompts_file: str | os.PathLike, out: str | os.PathLike | None = None,
                      *, checkpoint: str = "best", max_new_tokens: int = 256, temperature: float = 0.0,
                      seed: int | None = None, top_k: int | None = None, device: str | None = None,
-                     limit: float | None = None) -> dict[str, Any]:  # fmt: skip
+                     limit: float | None = None, force: bool = False) -> dict[str, Any]:  # fmt: skip
     """Generate an answer to every prompt of ``prompts_file`` (the first ``limit``, see :func:`limited`) with the
     run's ``checkpoint`` and score them (module docstring); the prompts, references and generations go to ``out``
     (default ``RUN_DIR/generations-<checkpoint>.jsonl``). Returns the scores with the checkpoint and the output file.
@@ -236,7 +255,8 @@ def evaluate_prompts(run_dir: str | os.PathLike, prompts_file: str | os.PathLike
     with _generations_file(target) as f:  # opened before the generation: an output that cannot be written fails now
         sp = load_tokenizer(run_dir)
         answers = generate_answers(model, sp, run, [p for p, _ in items], max_new_tokens=max_new_tokens,
-                                   temperature=temperature, seed=seed, top_k=top_k)  # fmt: skip
+                                   temperature=temperature, seed=seed, top_k=top_k, force=force,
+                                   where=str(prompts_file))  # fmt: skip
         references = [r for _, r in items]
         result = score(answers, references)
         for i, ((prompt, reference), answer) in enumerate(zip(items, answers, strict=True)):
@@ -287,7 +307,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     result = evaluate_prompts(args.run, args.prompts, args.generations, checkpoint=args.checkpoint,
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               seed=args.generation_seed, top_k=args.top_k, device=args.device,
-                              limit=getattr(args, "limit", None))  # fmt: skip
+                              limit=getattr(args, "limit", None), force=getattr(args, "force", False))  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:

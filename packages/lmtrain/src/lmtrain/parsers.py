@@ -242,6 +242,11 @@ def add_run_flags(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument(
         "--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases under PROJECT (the wandb extra)"
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the run's training state is estimated past the host's available memory (CPU runs)",
+    )
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument(
@@ -346,6 +351,12 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="--prompts: 0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=None, help="--prompts: sample from the k likeliest tokens")
     p.add_argument("--generation-seed", type=int, default=None, help="--prompts: seed of the sampling")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--prompts: take prompts longer than 4 training contexts "
+        "(ALiBi) or the model's context (RoPE), whose attention costs grow with the square of the length",
+    )
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default: training length)")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: context / 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -368,6 +379,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="take a prompt longer than the model is meant to (see eval)")
     p.add_argument(
         "--chat",
         action="store_true",

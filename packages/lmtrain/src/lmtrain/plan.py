@@ -52,6 +52,7 @@ class TrainRequest:
     compile: bool = False  # torch.compile the model (lmcore.compile_model); on a CPU it measured no faster in fp32
     init_from: str | None = None  # RUN[:best|latest|STEP]: start from that checkpoint's weights (lmtrain.init_from)
     next_commands: bool = True  # the closing block lists the commands to run next (the demo prints its own)
+    force: bool = False  # start even past the estimated host memory (lmtrain.scaffold.check_host_memory)
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.model_config is not None:

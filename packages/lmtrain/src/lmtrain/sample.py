@@ -26,6 +26,7 @@ def generate_text(
     on_note: Callable[[str], None] | None = None,
     compile: bool = False,
     chat: bool = False,
+    force: bool = False,
 ) -> str:
     """The prompt followed by up to `max_new_tokens` sampled tokens, as text; with `chat`, the reply alone to the
     prompt as a user turn of the run's chat template (a fine-tune's, or a base model's own), ended by its end of turn.
@@ -72,11 +73,19 @@ def generate_text(
         lmcore.compile_model(model)
     sp = load_tokenizer(run_dir)
     try:
-        if chat:
-            from lmtrain.generation_eval import generate_answers
+        from lmtrain.generation_eval import generate_answers, longest_prompt
 
+        if chat:
             return generate_answers(model, sp, run, [[("user", prompt)]], max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=seed, top_k=top_k)[0]  # fmt: skip
+                                    temperature=temperature, seed=seed, top_k=top_k, force=force)[0]  # fmt: skip
+        from lmtrain.text_codec import encode
+
+        if not force and len(encode(sp, prompt)) + 1 > longest_prompt(model, run):
+            raise LmtrainError(
+                f"--prompt: {len(encode(sp, prompt)):,} tokens, past the {longest_prompt(model, run):,} this model "
+                "takes without --force (attention's time and memory grow with the square of the length): shorten "
+                "the prompt, or add --force"
+            )
         return continue_text(model, sp, prompt, run.eos_id, max_new_tokens, temperature=temperature,
                              top_k=top_k, seed=seed)  # fmt: skip
     except ValueError as exc:  # lmcore's one-line errors, e.g. NaN weights in a checkpoint of a diverged run
@@ -135,6 +144,7 @@ def run_generate(args: argparse.Namespace) -> int:
             on_note=lambda note: print(f"lmtrain generate: {note}", file=sys.stderr),
             compile=args.compile,
             chat=args.chat,
+            force=args.force,
         )
     )
     return 0

@@ -208,6 +208,29 @@ def pick_cpu_threads(
     return timings
 
 
+def check_host_memory(run: Run, plan: RunPlan, trainable: int | None = None, frozen: int = 0) -> None:
+    """Refuse, before the model is built, a CPU run whose training state would not fit in the host's available
+    memory: fp32 weights, gradients and AdamW's two moments (16 bytes per trainable parameter, ``trainable``, by
+    default the whole model) and fp32 frozen weights (4 bytes per ``frozen`` parameter). A config asking for 400
+    layers at width 16384, or a LoRA rank of a million, otherwise takes the machine's memory until the kernel kills
+    the process. ``--force`` goes anyway; a GPU run is left to the estimator (lmcore.memory, `lmtrain doctor`)."""
+    import psutil
+
+    from lmcore import n_params
+
+    if run.world.cuda or getattr(run.request, "force", False):
+        return
+    trainable = n_params(plan.model) if trainable is None else trainable
+    need = 16 * trainable + 4 * frozen
+    available = psutil.virtual_memory().available // max(1, run.world.world_size)  # ranks share the host
+    if need > available:
+        raise LmtrainError(
+            f"the run's training state needs about {need / 2**30:,.1f} GiB of host memory ({trainable:,} trainable "
+            f"parameters at 16 bytes{f', {frozen:,} frozen at 4' if frozen else ''}), {available / 2**30:,.1f} GiB is "
+            "available per rank: train a smaller model (or a lower LoRA rank), or add --force to try anyway"
+        )
+
+
 # ------------------------------------------------------------------------------------------------- training
 def fit(
     run: Run,

@@ -24,7 +24,7 @@ from lmtrain.parsers import run_flag_overrides
 from lmtrain.plan import DataInfo, RunPlan, TrainRequest, Verify, plan_run, train_record
 from lmtrain.run_files import TOKENIZER_FILE, read_meta
 from lmtrain.run_summary import RunSummary
-from lmtrain.scaffold import Run, current_world, finish, fit, open_run, route_matmuls, settle_cpu
+from lmtrain.scaffold import Run, check_host_memory, current_world, finish, fit, open_run, route_matmuls, settle_cpu
 
 __all__ = ["RunSummary", "train"]
 
@@ -133,7 +133,9 @@ def _run(run: Run, request: TrainRequest, as_json: bool) -> RunSummary:
                                         "recipe": source.run.recipe}  # fmt: skip
     info = DataInfo(meta, int(train_data.n_tokens), saved, tokenizer_sha, init)
     # Before anything trains: headers fit the model, checksums and ids verified once per file (lmtrain.data_check).
-    vocab_size = plan_run(request, info, run.world).model.vocab_size
+    draft = plan_run(request, info, run.world)
+    check_host_memory(run, draft)  # before a probe builds the model
+    vocab_size = draft.model.vocab_size
     check_token_data([train_data, meta["val_path"]], vocab_size, fallback_cache_dir=run.run_dir)
     recorded, cache = saved or (source.run if source is not None else None), ProbeCache()
     plan = settle_cpu(run, lambda world: plan_run(request, info, world), lambda p: GPT(p.model),
@@ -222,7 +224,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
             raise LmtrainError(f"--{key} {flag} is required{where}: the {'prepared data' if key == 'data' else 'run'} "
                                "directory")  # fmt: skip
     return TrainRequest(**values, overrides=overrides, resume=args.resume, overwrite=args.overwrite,
-                        verify=args.verify)  # fmt: skip
+                        verify=args.verify, force=args.force)  # fmt: skip
 
 
 def draft_plan(request: TrainRequest) -> RunPlan:
