@@ -15,7 +15,7 @@ Example:
     True
     >>> from alibi_kernels import launch_configs  # which Triton tiles an RTX 3090 can launch, decided without a GPU
     >>> launch_configs("dkdv", capability=(8, 6), smem_per_block=101376, dtype=torch.float32, head_dim=128)[0]
-    TileConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+    TileConfig(block_m=16, block_n=64, num_warps=8, num_stages=2)
 """
 
 from alibi_kernels.attention import BACKENDS, alibi_attention, alibi_attention_varlen, triton_unavailable_reason
