@@ -222,3 +222,22 @@ def test_a_bad_base_is_one_line_and_writes_nothing(made, tmp_path, capsys, spoil
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and words in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_other_libraries_notices_a_user_cannot_act_on_stay_quiet(made, tmp_path):
+    pytest.importorskip("torchao")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    argv = [sys.executable, "-m", "lmtrain", "finetune", "--from", str(made["base"]), "--data", str(made["pairs"]),
+            "--out", str(tmp_path / "q"), "--method", "qlora", "--max-steps", "1", *SMALL]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    export = subprocess.run([sys.executable, "-m", "lmtrain", "export", "--run", str(tmp_path / "q"), "--out",
+                             str(tmp_path / "hf")], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stderr[-2000:]
+    said = done.stderr + export.stderr
+    for noise in ("Failed to load", "Setting accelerator to CPU", "FutureWarning"):
+        assert noise not in said, said[-2000:]

@@ -45,11 +45,30 @@ def restore_environ(found: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
+def quiet_other_libraries() -> None:
+    """Silence what other libraries print that a user cannot act on: torchao's "Failed to load" lines for kernels
+    of other hardware, DeepSpeed's notice that it fell back to the CPU (where torch sees no GPU, the CPU is said
+    explicitly: DS_ACCELERATOR=cpu), transformers' deprecation notices about its own internals. lmtrain's own
+    warnings, and every error, still show."""
+    import logging
+    import warnings
+
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def _run_command(args: argparse.Namespace) -> int:
     if args.launcher_local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.launcher_local_rank))
     if args.no_progress:  # tqdm reads it in every package, trainloop's loop too
         os.environ["TQDM_DISABLE"] = "1"
+    if args.command != "doctor":
+        quiet_other_libraries()
     # Lazy imports: each subcommand pulls in only what it needs.
     if args.command == "prepare":
         from lmtrain.prepare_data import run_prepare as run
