@@ -30,13 +30,17 @@ import dataclasses
 import difflib
 import json
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from lmtrain.errors import LmtrainError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (lmtrain's dependency there)
+    import tomli as tomllib
 
 # TrainRequest fields a run file may set (resume, overwrite and verify are what a command does, not what a run is).
 REQUEST_KEYS = ("data", "out", "recipe", "model_config", "time_budget_s", "max_steps", "deepspeed",
