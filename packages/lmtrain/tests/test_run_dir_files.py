@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from lmtrain.cli import main
-from lmtrain.run_files import write_json_atomic
+from lmtrain.json_files import write_json_atomic
 
 TRAIN = ["--preset", "tiny", "--set", "cpu_threads=1", "--set", "log_every=1", "--set", "save_every=2"]
 

@@ -133,7 +133,8 @@ class Sample:
         return json.dumps(self.turns, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def _open_text(path: Path) -> Any:
+def open_text(path: Path) -> Any:
+    """``path`` opened for reading as UTF-8 text, through gzip when its first bytes say so."""
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
     return gzip.open(path, "rt", encoding="utf-8") if gz else open(path, encoding="utf-8")
@@ -164,7 +165,7 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
         )
     samples = []
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     turns, group = parse_sample(line, f"{path} line {number}")

@@ -154,7 +154,7 @@ def _cached(directory: Path, key: str, identity: dict[str, Any]) -> bool:
 
 def _store(directory: Path, key: str, entry: dict[str, Any]) -> None:
     """Add one entry, replacing the cache atomically (a crash leaves the old cache or the new one)."""
-    from lmtrain.run_files import write_json_atomic
+    from lmtrain.json_files import write_json_atomic
 
     files = _read_cache(directory)
     files[key] = entry

@@ -42,7 +42,7 @@ def read_prompts(path: str | os.PathLike) -> list[tuple[tuple[tuple[str, str], .
     of them when a ``reference`` field holds the answer, the layout of most held-out sets) or as plain text (a
     ``prompt`` field with a ``reference``). A line without a reference, text that is not UTF-8 JSON, and JSON nested
     too deeply are one LmtrainError naming the file and line."""
-    from lmtrain.chat import _open_text, parse_sample
+    from lmtrain.chat import open_text, parse_sample
     from lmtrain.text_codec import load_json_line
 
     path = Path(path)
@@ -51,7 +51,7 @@ def read_prompts(path: str | os.PathLike) -> list[tuple[tuple[tuple[str, str], .
     out: list[tuple[tuple[tuple[str, str], ...] | str, str]] = []
     number = 0
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     out.append(_prompt_of(line, f"{path} line {number}", load_json_line, parse_sample))
@@ -240,7 +240,7 @@ def evaluate_prompts(run_dir: str | os.PathLike, prompts_file: str | os.PathLike
     Everything that can be checked before the generation is: the settings, the prompts, that the output is not the
     prompts file, and that the output can be written (its temporary file is created first), so no generation is
     thrown away for a bad flag or an unwritable output."""
-    from lmtrain.evaluate import resolve_device
+    from lmtrain.devices import resolve_device
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
     require_scorers()

@@ -142,35 +142,8 @@ def run_lm(model: torch.nn.Module, sp: Any, eos_id: int, max_length: int, batch_
         def tok_decode(self, tokens: list[int], **kwargs: Any) -> str:
             return decode(self.sp, tokens)
 
-        @torch.no_grad()
         def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
-            # Longest first, so that a batch's rows are of similar length; right padding leaves a causal model's
-            # earlier positions unchanged.
-            order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-            results: list[tuple[float, bool] | None] = [None] * len(requests)
-            for start in range(0, len(order), self.batch_size):
-                rows = []
-                for i in order[start : start + self.batch_size]:
-                    _, context, continuation = requests[i]
-                    if not continuation:
-                        raise ValueError("the harness asked for the likelihood of an empty continuation")
-                    if not context or context[0] != self._eos:  # every request starts a document, as in training
-                        context = [self._eos, *context]
-                    whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
-                    rows.append((i, whole[:-1], len(continuation)))
-                width = max(len(inp) for _, inp, _ in rows)
-                batch = torch.zeros(len(rows), width, dtype=torch.long)
-                for r, (_, inp, _) in enumerate(rows):
-                    batch[r, : len(inp)] = torch.tensor(inp)
-                logits = self.model(batch.to(self._device)).logits.float()  # (B, T, V)
-                logprobs = F.log_softmax(logits, dim=-1)
-                for r, (i, inp, n) in enumerate(rows):
-                    target = torch.tensor(list(requests[i][2])[-n:], device=self._device)
-                    scores = logprobs[r, len(inp) - n : len(inp)]  # (n, V): the positions predicting the continuation
-                    picked = scores.gather(1, target[:, None]).squeeze(1)
-                    greedy = bool((scores.argmax(-1) == target).all())
-                    results[i] = (float(picked.double().sum()), greedy)
-            return results
+            return score_continuations(self.model, requests, self._eos, self.max_length, self.batch_size)
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
             from lm_eval import utils
@@ -189,37 +162,72 @@ def run_lm(model: torch.nn.Module, sp: Any, eos_id: int, max_length: int, batch_
                 out.append(sum(logprob for logprob, _ in self._loglikelihood_tokens(windows)))
             return out
 
-        @torch.no_grad()
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-            from lmcore import generate
-
-            out = []
-            for context, gen_kwargs in [req.args for req in requests]:
-                kwargs = dict(gen_kwargs)
-                until = kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                max_new = int(kwargs.get("max_gen_toks", 256))
-                if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
-                    raise ValueError("lmtrain eval --tasks generates greedily; the task asks for sampling")
-                ids = ([self._eos] + self.tok_encode(context))[-max(1, self.max_length - max_new) :]
-                tokens = generate(
-                    self.model,  # type: ignore[arg-type]  # an lmcore GPT
-                    torch.tensor([ids], device=self._device),
-                    max_new,
-                    temperature=0,
-                    eos_id=self._eos,
-                )
-                new = [int(t) for t in tokens[0, len(ids) :].tolist()]
-                if self._eos in new:
-                    new = new[: new.index(self._eos)]
-                text = self.tok_decode(new)
-                for stop in until:
-                    if stop and stop in text:
-                        text = text[: text.index(stop)]
-                out.append(text)
-            return out
+            return [generate_greedily(self, *req.args) for req in requests]
 
     return RunLM()
+
+
+@torch.no_grad()
+def score_continuations(model: torch.nn.Module, requests: list, eos_id: int, max_length: int, batch_size: int) -> list:
+    """(log-likelihood, greedy) of each request's continuation after its context (lists of ids), as the harness's
+    ``_loglikelihood_tokens`` returns them. Every request starts a document (``eos_id`` first), as in training; the
+    longest go first, so that a batch's rows are of similar length; right padding leaves a causal model's earlier
+    positions unchanged."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    for start in range(0, len(order), batch_size):
+        rows = []
+        for i in order[start : start + batch_size]:
+            _, context, continuation = requests[i]
+            if not continuation:
+                raise ValueError("the harness asked for the likelihood of an empty continuation")
+            if not context or context[0] != eos_id:
+                context = [eos_id, *context]
+            whole = (list(context) + list(continuation))[-(max_length + 1) :]
+            rows.append((i, whole[:-1], len(continuation)))
+        width = max(len(inp) for _, inp, _ in rows)
+        batch = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, (_, inp, _) in enumerate(rows):
+            batch[r, : len(inp)] = torch.tensor(inp)
+        logprobs = F.log_softmax(model(batch.to(device)).logits.float(), dim=-1)  # (B, T, V)
+        for r, (i, inp, n) in enumerate(rows):
+            target = torch.tensor(list(requests[i][2])[-n:], device=device)
+            scores = logprobs[r, len(inp) - n : len(inp)]  # (n, V): the positions predicting the continuation
+            picked = scores.gather(1, target[:, None]).squeeze(1)
+            results[i] = (float(picked.double().sum()), bool((scores.argmax(-1) == target).all()))
+    return results
+
+
+@torch.no_grad()
+def generate_greedily(lm: Any, context: str, gen_kwargs: dict[str, Any]) -> str:
+    """The harness's ``generate_until`` for one request: greedy tokens after ``context`` (a document start first),
+    cut at the end of a document and at the first of the request's ``until`` strings; sampling is refused."""
+    from lmcore import generate
+
+    kwargs = dict(gen_kwargs)
+    until = kwargs.get("until") or []
+    until = [until] if isinstance(until, str) else list(until)
+    max_new = int(kwargs.get("max_gen_toks", 256))
+    if kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0) or 0.0) > 0:
+        raise ValueError("lmtrain eval --tasks generates greedily; the task asks for sampling")
+    ids = ([lm.eot_token_id] + lm.tok_encode(context))[-max(1, lm.max_length - max_new) :]
+    tokens = generate(
+        lm.model,
+        torch.tensor([ids], device=next(lm.model.parameters()).device),
+        max_new,
+        temperature=0,
+        eos_id=lm.eot_token_id,
+    )
+    new = [int(t) for t in tokens[0, len(ids) :].tolist()]
+    if lm.eot_token_id in new:
+        new = new[: new.index(lm.eot_token_id)]
+    text = lm.tok_decode(new)
+    for stop in until:
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+    return text
 
 
 def _output_dir(args: argparse.Namespace, checkpoint: Path | None, tasks: list[str]) -> Path:
@@ -257,7 +265,7 @@ def check_mode_flags(args: argparse.Namespace) -> None:
 def run_tasks(args: argparse.Namespace) -> int:
     """`lmtrain eval --tasks`: the harness's table on stdout; results.json and results.md in the output directory
     (written beside it and renamed into place: an existing one is refused, nothing is written on an error)."""
-    from lmtrain.evaluate import resolve_device, resolve_dtype
+    from lmtrain.devices import resolve_device, resolve_dtype
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from trainloop.distributed import env_world
 

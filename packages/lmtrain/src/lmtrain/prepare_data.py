@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import WRITE_ERRNOS, LmtrainError, write_failure_message
+from lmtrain.json_files import copy_file, write_json_atomic
 from lmtrain.recipes import DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
-from lmtrain.run_files import META_FILE, TOKENIZER_FILE, write_json_atomic
+from lmtrain.run_files import META_FILE, TOKENIZER_FILE
 
 DEFAULT_SAMPLE_MB = 200.0  # text the tokenizer trains on; SentencePiece then keeps at most input_sentence_size lines
 VAL_TEXT_FILE = "val.txt"
@@ -264,8 +265,6 @@ def _prepare(
     sample_bytes = 0
     try:
         if source is not None:
-            from lmtrain.scaffold import copy_file
-
             copy_file(source, out / TOKENIZER_FILE)  # the given tokenizer, byte for byte: the same sha256
         else:
             sample_bytes = _train_tokenizer(texts, out, sample, sample_mb, vocab_size, model_type, read, train_split,
@@ -367,33 +366,6 @@ def tokenizer_source(spec: str | os.PathLike) -> Path:
     except tokbin.TokenFileError as exc:
         raise LmtrainError(f"--tokenizer {spec}: {exc}") from None
     return model
-
-
-def check_meta_numbers(meta: dict[str, Any], where: str | os.PathLike) -> None:
-    """Refuse, in one line, a meta.json whose figures are not what `lmtrain prepare` writes: ``bytes_per_token``
-    (top level, ``train`` and ``val``) a finite number > 0, ``tokens`` and ``documents`` of each split integers >= 0.
-    What reads meta.json calls it before using them (bits per byte divide by bytes_per_token).
-
-    Example:
-        >>> check_meta_numbers({"bytes_per_token": 3.1, "train": {"bytes_per_token": 3.1}, "val": {}}, "meta.json")
-        >>> check_meta_numbers({"bytes_per_token": "x"}, "data/meta.json")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        lmtrain.errors.LmtrainError: data/meta.json: bytes_per_token: expected a finite number > 0, found 'x'; ...
-    """
-    fix = "re-run `lmtrain prepare`"
-    places: list[tuple[str, Any]] = [("", meta)]
-    places += [(f"{split}.", meta[split]) for split in ("train", "val") if isinstance(meta.get(split), dict)]
-    for prefix, section in places:
-        value = section.get("bytes_per_token")
-        if "bytes_per_token" in section and not (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        ):
-            found = f"expected a finite number > 0, found {value!r}"
-            raise LmtrainError(f"{where}: {prefix}bytes_per_token: {found}; {fix}")
-        for key in ("tokens", "documents") if prefix else ():
-            count = section.get(key)
-            if key in section and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-                raise LmtrainError(f"{where}: {prefix}{key}: expected an integer >= 0, found {count!r}; {fix}")
 
 
 def run_prepare(args: argparse.Namespace) -> int:

@@ -97,7 +97,7 @@ class ProbeCache:
             return
         mine[f"{kind} {key}"] = value
         with contextlib.suppress(OSError):
-            from lmtrain.run_files import write_json_atomic
+            from lmtrain.json_files import write_json_atomic
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.path, data)

@@ -12,45 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError
+from lmtrain.json_files import read_json
 from lmtrain.run_record import RunRecord, read_run_record
 
 TOKENIZER_FILE = "tokenizer.model"
 META_FILE = "meta.json"
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """Read a JSON object or raise LmtrainError naming the file and what it should be."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LmtrainError(f"{path}: missing ({what})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise LmtrainError(f"{path}: unreadable {what}: {exc}") from None
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON through a temporary file, fsync and a rename, so a kill or a power cut never leaves half a file;
-    a failed write (a full disk) removes the temporary file and raises an OSError that names ``path``."""
-    from trainloop.checkpoint import open_new, refuse_linked
-
-    refuse_linked(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: the link itself goes
-        with open_new(tmp) as f:
-            f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
@@ -65,8 +38,6 @@ def read_meta(data_dir: str | os.PathLike) -> dict[str, Any]:
     where = data / META_FILE
     meta = read_json(where, "written by `lmtrain prepare`")
     if isinstance(meta, dict):
-        from lmtrain.prepare_data import check_meta_numbers
-
         check_meta_numbers(meta, where)
     if not isinstance(meta, dict):
         raise LmtrainError(f"{where}: expected a JSON object, found {type(meta).__name__}; re-run `lmtrain prepare`")
@@ -166,11 +137,8 @@ def load_trained_model(
         True
         >>> work.cleanup()
     """
-    from safetensors import SafetensorError
-
-    from lmcore import GPT
     from lmcore.pretrained import read_config
-    from trainloop.checkpoint import MODEL_FILE, CheckpointError, CheckpointStore, load_model_weights
+    from trainloop.checkpoint import MODEL_FILE, CheckpointError, CheckpointStore
 
     run = read_run_record(run_dir)
     try:
@@ -188,36 +156,7 @@ def load_trained_model(
         where = f"{path}: unusable checkpoint" if own_config else f"{Path(run_dir) / 'run.json'}: model_config"
         raise LmtrainError(f"{where}: {exc}") from None
     check_host_memory(config, path / MODEL_FILE, path)
-    if own_config:
-        # The checkpoint's own layout (lmcore's save_pretrained): its config, its weights, adapters included.
-        try:
-            model = GPT.from_pretrained(path)
-        except (ValueError, OSError) as exc:
-            raise LmtrainError(f"{path}: unusable checkpoint: {exc}") from None
-    else:
-        try:
-            state = load_model_weights(path)
-        except (SafetensorError, OSError) as exc:
-            raise LmtrainError(f"{path}: unusable checkpoint: {path / MODEL_FILE}: {exc}") from None
-        model = GPT(config)
-        # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
-        state = {_strip_prefix(k): v for k, v in state.items()}
-        own = model.state_dict()
-        for key, tensor in state.items():
-            floating = own[key].is_floating_point() if key in own else True
-            if key in own and (tensor.shape != own[key].shape or (floating and not tensor.is_floating_point())):
-                raise LmtrainError(
-                    f"{path / MODEL_FILE}: {key} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
-                    f"the run's model config has {str(own[key].dtype).removeprefix('torch.')} {tuple(own[key].shape)}"
-                )
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # A tied output head has no tensor of its own in some formats.
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]
-        if missing or unexpected:
-            raise LmtrainError(
-                f"{path}: weights do not match the run's model config (missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]})"
-            )
+    model = model_of_checkpoint(path) if own_config else model_from_weights(path, config)
     import torch
 
     from lmtrain.model_setup import check_attention_backend
@@ -229,6 +168,49 @@ def load_trained_model(
 
         set_inference_threads(model, run, cache=ProbeCache())
     return model, run, path
+
+
+def model_of_checkpoint(path: Path) -> Any:
+    """The GPT of a checkpoint in lmcore's own layout (save_pretrained): its config, its weights, adapters included."""
+    from lmcore import GPT
+
+    try:
+        return GPT.from_pretrained(path)
+    except (ValueError, OSError) as exc:
+        raise LmtrainError(f"{path}: unusable checkpoint: {exc}") from None
+
+
+def model_from_weights(path: Path, config: Any) -> Any:
+    """A GPT of ``config`` holding the checkpoint's weights; a tensor of another shape or kind, a missing or an
+    unexpected one is one LmtrainError naming the file and the tensor."""
+    from safetensors import SafetensorError
+
+    from lmcore import GPT
+    from trainloop.checkpoint import MODEL_FILE, load_model_weights
+
+    try:
+        state = load_model_weights(path)
+    except (SafetensorError, OSError) as exc:
+        raise LmtrainError(f"{path}: unusable checkpoint: {path / MODEL_FILE}: {exc}") from None
+    model = GPT(config)
+    # Checkpoints written through a wrapper (DDP, DeepSpeed, torch.compile) may prefix the names.
+    state = {_strip_prefix(k): v for k, v in state.items()}
+    own = model.state_dict()
+    for key, tensor in state.items():
+        floating = own[key].is_floating_point() if key in own else True
+        if key in own and (tensor.shape != own[key].shape or (floating and not tensor.is_floating_point())):
+            raise LmtrainError(
+                f"{path / MODEL_FILE}: {key} is {str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}, "
+                f"the run's model config has {str(own[key].dtype).removeprefix('torch.')} {tuple(own[key].shape)}"
+            )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied output head has no tensor of its own in some formats.
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise LmtrainError(
+            f"{path}: weights do not match the run's model config (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    return model
 
 
 def check_tokenizer_of(run_dir: str | os.PathLike, checkpoint: Path) -> None:
@@ -274,3 +256,30 @@ def load_tokenizer(run_dir: str | os.PathLike) -> Any:
     if not path.is_file():
         raise LmtrainError(f"{path}: missing (the run's copy of the tokenizer, written by `lmtrain train`)")
     return spm.SentencePieceProcessor(model_file=str(path))
+
+
+def check_meta_numbers(meta: dict[str, Any], where: str | os.PathLike) -> None:
+    """Refuse, in one line, a meta.json whose figures are not what `lmtrain prepare` writes: ``bytes_per_token``
+    (top level, ``train`` and ``val``) a finite number > 0, ``tokens`` and ``documents`` of each split integers >= 0.
+    What reads meta.json calls it before using them (bits per byte divide by bytes_per_token).
+
+    Example:
+        >>> check_meta_numbers({"bytes_per_token": 3.1, "train": {"bytes_per_token": 3.1}, "val": {}}, "meta.json")
+        >>> check_meta_numbers({"bytes_per_token": "x"}, "data/meta.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        lmtrain.errors.LmtrainError: data/meta.json: bytes_per_token: expected a finite number > 0, found 'x'; ...
+    """
+    fix = "re-run `lmtrain prepare`"
+    places: list[tuple[str, Any]] = [("", meta)]
+    places += [(f"{split}.", meta[split]) for split in ("train", "val") if isinstance(meta.get(split), dict)]
+    for prefix, section in places:
+        value = section.get("bytes_per_token")
+        if "bytes_per_token" in section and not (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        ):
+            found = f"expected a finite number > 0, found {value!r}"
+            raise LmtrainError(f"{where}: {prefix}bytes_per_token: {found}; {fix}")
+        for key in ("tokens", "documents") if prefix else ():
+            count = section.get(key)
+            if key in section and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise LmtrainError(f"{where}: {prefix}{key}: expected an integer >= 0, found {count!r}; {fix}")

@@ -157,7 +157,7 @@ def read_run_record(run_dir: str | os.PathLike) -> RunRecord:
         ('train', 'tiny', 32, 2)
         >>> work.cleanup()
     """
-    from lmtrain.run_files import read_json
+    from lmtrain.json_files import read_json
 
     path = Path(run_dir) / RUN_FILE
     return RunRecord.from_json(read_json(path, "written by `lmtrain train` or `lmtrain finetune`"), path)
@@ -165,6 +165,6 @@ def read_run_record(run_dir: str | os.PathLike) -> RunRecord:
 
 def write_run_record(run_dir: str | os.PathLike, record: RunRecord) -> None:
     """Write RUN_DIR/run.json atomically (a kill never leaves half a file)."""
-    from lmtrain.run_files import write_json_atomic
+    from lmtrain.json_files import write_json_atomic
 
     write_json_atomic(Path(run_dir) / RUN_FILE, record.to_json())

@@ -45,7 +45,7 @@ def generate_text(
         (True, True)
         >>> work.cleanup()
     """
-    from lmtrain.evaluate import resolve_device, resolve_dtype
+    from lmtrain.devices import resolve_device, resolve_dtype
     from lmtrain.run_files import load_tokenizer, load_trained_model
 
     if max_new_tokens < 0:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lmtrain.errors import LmtrainError, in_flags
+from lmtrain.json_files import copy_file, write_json_atomic
 from lmtrain.probes import ProbeCache, set_matmul_library, shapes
 from lmtrain.run_plan import RunOptions, RunPlan, World
 from lmtrain.run_record import RUN_FILE, RunRecord, read_run_record, write_run_record
@@ -312,8 +313,6 @@ def finish(run: Run, plan: RunPlan, out: Mapping[str, Any], *, next_commands: Se
                                   "total_skips", "wall_s", "budget_plans")}  # fmt: skip
     summary = RunSummary(run_dir=run.run_dir, plan=plan, **fields)
     if run.world.rank == 0:
-        from lmtrain.run_files import write_json_atomic
-
         write_json_atomic(run.run_dir / SUMMARY_FILE, json.loads(json.dumps(summary.to_dict(), default=str)))
         plot(run.run_dir)
         if as_json:
@@ -325,20 +324,6 @@ def finish(run: Run, plan: RunPlan, out: Mapping[str, Any], *, next_commands: Se
 
 
 # ------------------------------------------------------------------------------------------------- the pieces
-def copy_file(source: Path, target: Path) -> None:
-    """Copy through a temporary file and a rename, so a kill never leaves half a file."""
-    from trainloop.checkpoint import open_new
-
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)
-        with open_new(tmp, "wb") as f:
-            f.write(source.read_bytes())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def plot(run_dir: Path) -> None:
     """RUN_DIR/loss.png from RUN_DIR/metrics.jsonl; a plot that fails is a warning, never a failed run, and an
     evaluation before the first logged step has nothing to draw yet."""
