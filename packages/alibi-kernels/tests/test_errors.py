@@ -76,6 +76,21 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
         alibi_attention(*qkv(), backend="triton")
 
 
+def test_backend_check_looks_nothing_up_per_call(monkeypatch):
+    # torch.compile traces the backend check on every call of the kernels; importlib's finder breaks its graph
+    # (torch 2.11), so whether triton is installed is looked up once, at import.
+    import importlib.util
+
+    from alibi_kernels import triton_unavailable_reason
+
+    def finder(*args):
+        raise AssertionError("importlib.util.find_spec called per call")
+
+    monkeypatch.setattr(importlib.util, "find_spec", finder)
+    triton_unavailable_reason(torch.device("cuda"))
+    alibi_attention(*qkv())
+
+
 def test_auto_on_cpu_uses_the_torch_path_even_under_the_interpreter():
     q, k, v = qkv()
     assert torch.equal(alibi_attention(q, k, v), alibi_attention(q, k, v, backend="torch"))

@@ -142,20 +142,14 @@ def test_the_torch_attention_path_is_one_graph(documents):
 
 # The Triton path cannot be traced on the CPU: under TRITON_INTERPRET the kernels are Python run on torch tensors,
 # which dynamo's fake tensors do not support (tried: "Unsupported method call"). On a GPU it is traced by these
-# tests, in tools/gpu_check.sh's gpu-tests part. Measured on the H200 check host (torch 2.11, Triton 3.6), dense
-# too: alibi_kernels.alibi_attention's backend check calls importlib.util.find_spec("triton") on every call, a
-# function dynamo will not trace, so the graph breaks before the kernel launch.
-TRITON_DISPATCH_BREAK = pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.Unsupported,
-    reason="alibi_kernels' backend check calls importlib.util.find_spec, which dynamo will not trace",
-)
-
-
+# tests, in tools/gpu_check.sh's gpu-tests part. On the H200 check host (torch 2.11, Triton 3.6) the dense case broke
+# the graph at alibi_kernels' backend check, which called importlib.util.find_spec("triton") on every call; the
+# lookup now happens once at import (alibi-kernels' test_backend_check_looks_nothing_up_per_call), and the dense case
+# is expected to be one graph: not rerun on a GPU since that change.
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "documents",
-    [pytest.param(False, marks=TRITON_DISPATCH_BREAK), pytest.param(True, marks=DOCUMENT_BREAKS)],
+    [False, pytest.param(True, marks=DOCUMENT_BREAKS)],
     ids=["dense", "documents"],
 )
 def test_the_triton_attention_path_is_one_graph_on_a_gpu(documents):

@@ -13,6 +13,9 @@ from alibi_kernels.validation import check_attention_inputs, check_varlen_inputs
 __all__ = ["alibi_attention", "alibi_attention_varlen", "BACKENDS", "triton_unavailable_reason"]
 
 BACKENDS = ("auto", "triton", "torch")
+# Looked up once: importlib's finder is not something torch.compile traces (torch 2.11 breaks the graph on it), and
+# the answer does not change while a process runs.
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def _interpreting() -> bool:
@@ -28,7 +31,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         >>> triton_unavailable_reason(torch.device("mps"))
         "Triton kernels need CUDA tensors, got a tensor on mps; use backend='torch'"
     """
-    if importlib.util.find_spec("triton") is None:
+    if not TRITON_INSTALLED:
         return "the `triton` package is not installed (pip install triton; Linux only)"
     if device.type == "cuda":
         return None
