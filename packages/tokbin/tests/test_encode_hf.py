@@ -2,7 +2,9 @@
 of it (plus EOS), in the worker processes as in one, for any piece size; the header records the tokenizer's
 identity; vocabularies over 65536 ids are stored as uint32."""
 
+import itertools
 import multiprocessing
+import re
 import subprocess
 import sys
 
@@ -37,15 +39,51 @@ def test_documents_equal_the_tokenizers_encode(tmp_path, qwen_dir, qwen_bpe, wik
     one.verify(qwen_dir)
 
 
-def test_a_plain_text_file_is_one_document_encoded_whole(tmp_path, qwen_dir, qwen_bpe):
-    # line by line, "a\n\n  b" would be cut where Qwen2's pre-tokenizer joins "\n\n" and the indentation
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_plain_text_file_is_one_document_read_in_pieces(tmp_path, qwen_dir, qwen_bpe, monkeypatch, workers):
+    # line by line, "a\n\n  b" would be cut where Qwen2's pre-tokenizer joins "\n\n" and the indentation; cut only
+    # before a printable byte, the pieces' ids are the whole text's, and no piece holds the whole file
+    import tokbin.encode
+
     path = tmp_path / "doc.txt"
     text = stdlib_text(30_000)
     path.write_text(text, encoding="utf-8")
-    tf = encode_files(qwen_dir, [path], tmp_path / "o.bin", workers=2, piece_bytes=1024, progress=False)
+    sizes = []
+    if workers == 1:  # in this process: the pieces can be seen
+        encode_piece = tokbin.encode.encode_piece
+        monkeypatch.setattr(tokbin.encode, "encode_piece", lambda tok, piece, *a: sizes.append(len(piece.data))
+                            or encode_piece(tok, piece, *a))  # fmt: skip
+    tf = encode_files(qwen_dir, [path], tmp_path / "o.bin", workers=workers, piece_bytes=1024, progress=False)
     assert tf.n_docs == 1 and _documents(tf)[0][:-1] == qwen_bpe.encode(text, add_special_tokens=False).ids
     lines = [i for line in text.splitlines(keepends=True) for i in qwen_bpe.encode(line).ids]
     assert lines != _documents(tf)[0][:-1]  # the test would not notice a line-by-line encode otherwise
+    if workers == 1:
+        assert len(sizes) > 10 and max(sizes) < len(text.encode()) / 4, sizes
+
+
+def _metaspace_dir(directory, text):
+    """A SentencePiece-style tokenizer.json (Llama 2's, Mistral's): Metaspace puts "▁" before each text's start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"], show_progress=False))
+    return write_hf_dir(directory, tok, {"eos_token": "</s>", "bos_token": None, "unk_token": None})
+
+
+def test_only_tokenizers_whose_ids_cannot_tell_a_cut_are_read_in_pieces(tmp_path, qwen_dir, llama3_dir):
+    assert load_tokenizer(qwen_dir).cuts_at_line_ends and load_tokenizer(llama3_dir).cuts_at_line_ends
+    text = stdlib_text(20_000)
+    meta = load_tokenizer(_metaspace_dir(tmp_path / "meta", text))
+    cuts = [m.end() for m in re.finditer(r"\n(?=[!-~])", text)]
+    pieces = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
+    assert sum(meta.encode_batch(pieces), []) != meta.encode(text)  # cut, a Metaspace tokenizer's ids change
+    assert not meta.cuts_at_line_ends
+    path = tmp_path / "doc.txt"
+    path.write_text(text, encoding="utf-8")
+    tf = encode_files(meta.path, [path], tmp_path / "o.bin", workers=1, piece_bytes=1024, progress=False)
+    assert _documents(tf) == [meta.encode(text) + [meta.eos_id]]  # so it reads the file whole
 
 
 def test_jsonl_with_a_hf_tokenizer(tmp_path, llama3_dir, llama3_bpe):

@@ -3,8 +3,9 @@ held-out documents by hash, run the tokenizer. This is what each worker process 
 
 The unit SentencePiece sees is the line, newline kept: pieces hold whole lines, so the ids never depend on where
 pieces were cut, and with the lossless options ("\\n" a user-defined symbol) they equal those of the whole text.
-A Hugging Face tokenizer sees whole documents (pieces then end only at document ends, see
-``tokbin.sources.cut_patterns``), so its ids equal its own encode of each document.
+A Hugging Face tokenizer sees whole documents, or runs of them cut after a line end that a printable byte follows
+where its ids cannot tell the cut (``HFTokenizer.cuts_at_line_ends``, ``tokbin.sources.cut_patterns``), so its ids
+equal its own encode of each document.
 """
 
 from __future__ import annotations

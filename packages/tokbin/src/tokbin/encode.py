@@ -247,9 +247,12 @@ def encode_inputs(
     # took longer to start than any input takes to encode
     workers = default_workers() if workers is None else min(workers, default_workers())
     tok = load_tokenizer(tokenizer)
-    # SentencePiece encodes line by line; a Hugging Face tokenizer sees whole documents (see tokbin.documents)
-    whole = tok.kind != "sentencepiece"
-    read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes, whole_documents=whole)
+    # SentencePiece encodes line by line; a Hugging Face tokenizer sees whole documents (see tokbin.documents), or
+    # pieces of them cut where its ids cannot tell (a line end before a printable byte), so memory stays bounded
+    hf = tok.kind != "sentencepiece"
+    whole = hf and not getattr(tok, "cuts_at_line_ends", False)
+    read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes, whole_documents=whole,
+                            printable_after_cut=hf)  # fmt: skip
     eos_id = tok.eos_id if eos else None
     if eos and eos_id is None:
         raise TokenFileError(
@@ -444,8 +447,10 @@ def encode_files(
     ``tokenizer``: a SentencePiece ``.model``, a Hugging Face model directory (its tokenizer.json; the ``hf``
     extra) or a :class:`tokbin.text_tokenizer.Tokenizer` (see ``load_tokenizer``). The header records its
     ``sha256``, vocabulary size (uint32 ids above 65536) and EOS id. SentencePiece encodes line by line, as always;
-    a Hugging Face tokenizer encodes each document whole, so its ids equal ``tokenizers``' own encode of the
-    document (pieces then end only at document ends: a plain-text file without ``split_docs`` is read whole).
+    a Hugging Face tokenizer's ids equal ``tokenizers``' own encode of each document: pieces end at a line end
+    before a printable non-space ASCII byte where its ids cannot tell the cut (``HFTokenizer.cuts_at_line_ends``:
+    byte-level BPEs such as GPT-2's, Llama 3's and Qwen2's), and only at document ends otherwise (a Metaspace
+    tokenizer's plain-text file without ``split_docs`` is then read whole).
 
     ``inputs`` are files, directories (their files, recursively, sorted) or globs, read in that order and in pieces
     of ``piece_bytes`` (memory does not grow with the input). Formats: plain UTF-8 text (a document is a file, or

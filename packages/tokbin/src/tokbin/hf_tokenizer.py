@@ -10,8 +10,12 @@ tokenizer.json bytes encode every text to the same ids.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,18 @@ from tokbin.hf_config import HFConfig, read_hf_config, read_json_object
 from tokbin.text_tokenizer import TemplateSource
 
 TOKENIZER_JSON = "tokenizer.json"
+# Pipeline pieces that act on each pre-token, or on characters one by one, and add nothing at the start of a text:
+# cutting a text after a line end that a printable non-space ASCII character follows leaves their output unchanged.
+_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+_LOCAL_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
+_CUT = re.compile(r"\n(?=[!-~])")
+# Texts whose every cut at _CUT must give the ids of the whole: code, prose, numbers, punctuation and indentation
+# around line ends, blank-line runs, non-ASCII letters.
+_CUT_PROBES = (
+    "def f(x):\n    return x * 2  # twice\n\n\nclass A:\n\tpass\n)\n]\n}\n's\n're\n",
+    "First line.\nSecond, with 1234567 and 3.14159;\n\nThird: über café 東京 — done!\n!?\n-- end\n",
+    '  \n\t\n \r\nx\n\n\n\n#\n##\n1\n22\n333\n\\n\n"quoted"\n<tag>\n</tag>\n',
+)
 
 
 def _tokenizers(path: object) -> Any:
@@ -116,6 +132,27 @@ class HFTokenizer:
         config = read_hf_config(directory)
         return cls(raw.decode("utf-8"), config, path=directory, sha256=hashlib.sha256(raw).hexdigest())
 
+    @functools.cached_property
+    def cuts_at_line_ends(self) -> bool:
+        """Whether a text cut after a line end that a printable non-space ASCII character follows encodes, piece by
+        piece, to the ids of the whole: True for byte-level BPEs (GPT-2's, Llama 3's, Qwen2's), whose pre-tokens
+        never span such a line end; False where the pipeline adds to a text's start (Metaspace, a prepended
+        normalizer, ``add_prefix_space``) or sees more than a pre-token. Decided from tokenizer.json and checked on
+        probe texts; tokbin's encoder reads a document in pieces only when it is True."""
+        spec = json.loads(self._json)
+        normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+        if not (_parts_within(normalizer, _LOCAL_NORMALIZERS, "normalizers") and pre is not None
+                and _parts_within(pre, _LOCAL_PRE_TOKENIZERS, "pretokenizers")):  # fmt: skip
+            return False
+        if any(_CUT.search(token) for token in self.added_tokens.values()):
+            return False
+        for text in _CUT_PROBES:
+            cuts = [0, *(m.end() for m in _CUT.finditer(text)), len(text)]
+            pieces = [text[a:b] for a, b in itertools.pairwise(cuts)]
+            if sum(self.encode_batch(pieces), []) != self.encode(text):
+                return False
+        return True
+
     def __reduce__(self):
         # worker processes rebuild from the JSON text (no path read again, no Rust object pickled)
         return (_rebuild, (self._json, self._config.to_json(), str(self.path), self.sha256))
@@ -151,6 +188,18 @@ class HFTokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(int(token_id))
+
+
+def _parts_within(part: dict[str, Any] | None, allowed: set[str], nested: str) -> bool:
+    """Whether a normalizer or pre-tokenizer of tokenizer.json (None: none) is built of ``allowed`` types only (a
+    ``Sequence`` holds its parts under ``nested``); ByteLevel only without ``add_prefix_space``."""
+    if part is None:
+        return True
+    if part.get("type") == "Sequence":
+        return all(_parts_within(p, allowed, nested) for p in part.get(nested) or [])
+    if part.get("type") == "ByteLevel" and part.get("add_prefix_space"):
+        return False
+    return part.get("type") in allowed
 
 
 def _rebuild(tokenizer_json: str, config: dict[str, Any], path: str, sha256: str) -> HFTokenizer:
