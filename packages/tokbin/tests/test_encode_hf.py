@@ -42,11 +42,11 @@ def test_documents_equal_the_tokenizers_encode(tmp_path, qwen_dir, qwen_bpe, wik
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_plain_text_file_is_one_document_read_in_pieces(tmp_path, qwen_dir, qwen_bpe, monkeypatch, workers):
     # line by line, "a\n\n  b" would be cut where Qwen2's pre-tokenizer joins "\n\n" and the indentation; cut only
-    # before a printable byte, the pieces' ids are the whole text's, and no piece holds the whole file
+    # between printable bytes, the pieces' ids are the whole text's, and no piece holds the whole file
     import tokbin.encode
 
     path = tmp_path / "doc.txt"
-    text = stdlib_text(30_000)
+    text = "".join(line.lstrip(" ") for line in stdlib_text(30_000).splitlines(keepends=True))  # cuts: line starts
     path.write_text(text, encoding="utf-8")
     sizes = []
     if workers == 1:  # in this process: the pieces can be seen
@@ -72,11 +72,35 @@ def _metaspace_dir(directory, text):
     return write_hf_dir(directory, tok, {"eos_token": "</s>", "bos_token": None, "unk_token": None})
 
 
+def _gpt2_dir(directory, text):
+    """GPT-2's pipeline (SmolLM2's): byte-level with its own regex, whose \\s+(?!\\S) splits the last character of a
+    whitespace run off when a word follows, so a cut inside a longer run would change the ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([text[i : i + 2000] for i in range(0, len(text), 2000)], trainer)
+    return write_hf_dir(directory, tok, {"eos_token": "<|endoftext|>", "bos_token": None, "unk_token": None})
+
+
 def test_only_tokenizers_whose_ids_cannot_tell_a_cut_are_read_in_pieces(tmp_path, qwen_dir, llama3_dir):
     assert load_tokenizer(qwen_dir).cuts_at_line_ends and load_tokenizer(llama3_dir).cuts_at_line_ends
+    gpt2 = load_tokenizer(_gpt2_dir(tmp_path / "gpt2", stdlib_text(60_000)))
+    assert gpt2.cuts_at_line_ends
+    runs = "    pass\n\n\n\nclass A:\n" * 20 + "a = 1   \n\nb = 2\n" * 20  # whitespace runs ending in a line end
+    naive = [m.end() for m in re.finditer(r"\n(?=[!-~])", runs)]
+    pieces = [runs[a:b] for a, b in itertools.pairwise([0, *naive, len(runs)])]
+    assert sum(gpt2.encode_batch(pieces), []) != gpt2.encode(runs)  # cut after any line end, the ids would change
+    path = tmp_path / "runs.txt"
+    path.write_text(runs, encoding="utf-8", newline="")
+    tf = encode_files(gpt2.path, [path], tmp_path / "runs.bin", workers=1, piece_bytes=64, progress=False)
+    assert _documents(tf) == [gpt2.encode(runs) + [gpt2.eos_id]]
     text = stdlib_text(20_000)
     meta = load_tokenizer(_metaspace_dir(tmp_path / "meta", text))
-    cuts = [m.end() for m in re.finditer(r"\n(?=[!-~])", text)]
+    cuts = [m.end() for m in re.finditer(r"(?<=[!-~])\n(?=[!-~])", text)]
     pieces = [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
     assert sum(meta.encode_batch(pieces), []) != meta.encode(text)  # cut, a Metaspace tokenizer's ids change
     assert not meta.cuts_at_line_ends

@@ -248,7 +248,7 @@ def encode_inputs(
     workers = default_workers() if workers is None else min(workers, default_workers())
     tok = load_tokenizer(tokenizer)
     # SentencePiece encodes line by line; a Hugging Face tokenizer sees whole documents (see tokbin.documents), or
-    # pieces of them cut where its ids cannot tell (a line end before a printable byte), so memory stays bounded
+    # pieces of them cut where its ids cannot tell (a line end between printable bytes), so memory stays bounded
     hf = tok.kind != "sentencepiece"
     whole = hf and not getattr(tok, "cuts_at_line_ends", False)
     read_opts = ReadOptions(fmt, split_docs, clean, piece_bytes, shard_bytes, whole_documents=whole,
@@ -448,7 +448,7 @@ def encode_files(
     extra) or a :class:`tokbin.text_tokenizer.Tokenizer` (see ``load_tokenizer``). The header records its
     ``sha256``, vocabulary size (uint32 ids above 65536) and EOS id. SentencePiece encodes line by line, as always;
     a Hugging Face tokenizer's ids equal ``tokenizers``' own encode of each document: pieces end at a line end
-    before a printable non-space ASCII byte where its ids cannot tell the cut (``HFTokenizer.cuts_at_line_ends``:
+    between printable non-space ASCII bytes where its ids cannot tell the cut (``HFTokenizer.cuts_at_line_ends``:
     byte-level BPEs such as GPT-2's, Llama 3's and Qwen2's), and only at document ends otherwise (a Metaspace
     tokenizer's plain-text file without ``split_docs`` is then read whole).
 

@@ -26,10 +26,12 @@ from tokbin.text_tokenizer import TemplateSource
 
 TOKENIZER_JSON = "tokenizer.json"
 # Pipeline pieces that act on each pre-token, or on characters one by one, and add nothing at the start of a text:
-# cutting a text after a line end that a printable non-space ASCII character follows leaves their output unchanged.
+# cutting a text after a line end between two printable non-space ASCII characters leaves their output unchanged
+# where no pre-token spans such a line end (a whitespace run there is that one line end: GPT-2's \s+(?!\S) splits a
+# longer run's last character off by what follows it).
 _LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
 _LOCAL_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit"}
-_CUT = re.compile(r"\n(?=[!-~])")
+_CUT = re.compile(r"(?<=[!-~])\n(?=[!-~])")
 # Texts whose every cut at _CUT must give the ids of the whole: code, prose, numbers, punctuation and indentation
 # around line ends, blank-line runs, non-ASCII letters.
 _CUT_PROBES = (
@@ -134,7 +136,7 @@ class HFTokenizer:
 
     @functools.cached_property
     def cuts_at_line_ends(self) -> bool:
-        """Whether a text cut after a line end that a printable non-space ASCII character follows encodes, piece by
+        """Whether a text cut after a line end between two printable non-space ASCII characters encodes, piece by
         piece, to the ids of the whole: True for byte-level BPEs (GPT-2's, Llama 3's, Qwen2's), whose pre-tokens
         never span such a line end; False where the pipeline adds to a text's start (Metaspace, a prepended
         normalizer, ``add_prefix_space``) or sees more than a pre-token. Decided from tokenizer.json and checked on

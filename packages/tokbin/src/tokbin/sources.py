@@ -38,7 +38,7 @@ class ReadOptions:
     piece_bytes: int = PIECE_BYTES
     shard_bytes: int | None = None
     whole_documents: bool = False  # pieces end only at document ends (a Hugging Face tokenizer's unit)
-    printable_after_cut: bool = False  # a line end cuts only before a printable non-space ASCII byte
+    printable_after_cut: bool = False  # a line end cuts only between printable non-space ASCII bytes
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -97,7 +97,8 @@ def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern[bytes], re.Pattern[bytes
     With ``whole_documents`` (a tokenizer whose ids depend on text across line ends) a piece ends only where a
     document does: a plain-text file without ``split_docs`` is one piece, whatever its size. With
     ``printable_after_cut`` (a Hugging Face tokenizer whose ids do not depend on text across such a line end,
-    ``HFTokenizer.cuts_at_line_ends``) a piece ends at a line end followed by a printable non-space ASCII byte.
+    ``HFTokenizer.cuts_at_line_ends``) a piece ends at a line end between two printable non-space ASCII bytes: a
+    whitespace run there (which GPT-2's ``\\s+(?!\\S)`` splits by what follows it) is one line end long.
     """
     if opts.fmt == "jsonl":
         line = re.compile(rb"\n")
@@ -106,7 +107,9 @@ def cut_patterns(opts: ReadOptions) -> tuple[re.Pattern[bytes], re.Pattern[bytes
     doc = re.compile(rb"\n[ \t\r]*\n(?=" + nxt + rb")") if opts.split_docs else None
     if opts.whole_documents:
         return doc or _NEVER, doc
-    if not (opts.clean or opts.split_docs or opts.printable_after_cut):
+    if opts.printable_after_cut:
+        return re.compile(rb"(?<=[!-~])\n(?=" + nxt + rb")"), doc
+    if not (opts.clean or opts.split_docs):
         return re.compile(rb"\n"), None
     return re.compile(rb"\n(?=" + nxt + rb")"), doc
 
