@@ -32,7 +32,8 @@ def new_figure(figsize: tuple[float, float], purpose: str) -> Figure:
 
 
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Three panels: train (and eval) loss, learning rate, total and per-group gradient norms. Lines that are not a
+    """Three panels: train (and eval) loss, learning rate, total and per-group gradient norms (the groups only where
+    there are two or more: one group's norm is the total). Lines that are not a
     JSON object (a last line cut short by a crash) are left out (:func:`~trainloop.metrics_logging.read_metrics`).
 
     Example:
@@ -60,16 +61,17 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     axes[0].plot(steps, [r["loss"] for r in train], label="train")
     if evals:
         axes[0].plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
-    axes[0].set_ylabel("loss")
+    axes[0].set_ylabel("loss (nats per target token)")
     axes[0].legend()
     axes[1].plot(steps, [r["lr"] for r in train])
     axes[1].set_ylabel("learning rate")
     axes[2].plot(steps, [r.get("grad_norm") for r in train], label="total", linewidth=2)
-    for key in sorted({k for r in train for k in r if k.startswith("grad_norm/")}):
+    groups = sorted({k for r in train for k in r if k.startswith("grad_norm/")})
+    for key in groups if len(groups) > 1 else ():  # one group's norm is the total: the same line twice
         axes[2].plot(steps, [r.get(key) for r in train], label=key.split("/", 1)[1], alpha=0.7)
     axes[2].set_yscale("log")
-    axes[2].set_ylabel("gradient norm")
-    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("gradient L2 norm (before clipping)")
+    axes[2].set_xlabel("optimizer step")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     out = Path(out_png)
