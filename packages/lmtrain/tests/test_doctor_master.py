@@ -59,3 +59,20 @@ def test_doctor_names_a_stale_extension_build_lock(tmp_path, monkeypatch, capsys
     (tmp_path / "deepspeed_shm_comm" / "lock").touch()  # a build killed half way: nobody holds it
     (check,) = check_extension_locks()
     assert check.status == FAIL and str(tmp_path / "deepspeed_shm_comm" / "lock") in check.line()
+
+
+def test_the_kit_file_doctor_suggests_is_found_from_any_directory(tmp_path, monkeypatch):
+    import shlex
+    from pathlib import Path
+
+    from lmtrain.doctor import WARN, check_nccl_env
+
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
+    monkeypatch.chdir(tmp_path)  # not the checkout: a path relative to it would not be found from here
+    warned = [c for c in check_nccl_env(False) if c.name == "NCCL_IB_DISABLE"]
+    if Path("/sys/class/infiniband").is_dir() and any(Path("/sys/class/infiniband").iterdir()):
+        pytest.skip("this machine has InfiniBand: no warning to check")
+    [check] = warned
+    assert check.status == WARN and check.fix.startswith("source ")
+    script = Path(shlex.split(check.fix.removeprefix("source "))[0])
+    assert script.is_file() and script.name == "env.sh", check.fix

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmtrain.errors import LmtrainError
+from lmtrain.shell import kit_file
 from trainloop.extras import install_hint
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -207,9 +208,7 @@ def check_nccl_env(multi_node: bool) -> list[Check]:
     elif has_ib:
         checks.append(Check(OK, "NCCL_IB_DISABLE", "unset; InfiniBand devices present"))
     else:
-        checks.append(
-            Check(WARN, "NCCL_IB_DISABLE", "unset and no InfiniBand device", "source tools/cluster-3090/env.sh")
-        )
+        checks.append(Check(WARN, "NCCL_IB_DISABLE", "unset and no InfiniBand device", f"source {kit_file('env.sh')}"))
     ifname = env.get("NCCL_SOCKET_IFNAME")
     if ifname:
         names = [n.lstrip("^=") for n in ifname.split(",")]

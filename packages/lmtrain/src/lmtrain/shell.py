@@ -23,3 +23,25 @@ def lmtrain_command() -> str:
                 return "lmtrain"
             return shlex.quote(str(script.resolve()))
     return f"{shlex.quote(sys.executable)} -m lmtrain"
+
+
+def kit_file(name: str) -> str:
+    """``tools/cluster-3090/NAME`` as the user reaches it from the current directory: relative where the checkout
+    this lmtrain runs from lies below it, else the absolute path; a wheel installed without its checkout gets the
+    path inside the repository, said as such.
+
+    Example:
+        >>> kit_file("env.sh").endswith("env.sh")
+        True
+    """
+    import os
+    import shlex
+
+    path = Path(__file__).resolve().parents[4] / "tools" / "cluster-3090" / name  # packages/lmtrain/src/lmtrain/
+    if not path.is_file():
+        return f"tools/cluster-3090/{name} of the repository"
+    try:
+        shown = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        shown = str(path)
+    return shlex.quote(str(path) if shown.startswith("..") else shown)
