@@ -160,10 +160,15 @@ def test_custom_code_export_loads_with_trust_remote_code_and_gives_our_logits(tm
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
     prompt = ids[:1, :6]
+    lengths = []  # the positions each forward of the decoder runs: with the cache, the prompt then one at a time
+    hook = hf.model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
     assert (
         hf.generate(prompt, max_new_tokens=8, do_sample=False).tolist()
         == generate(model, prompt, 8, temperature=0, eos_id=2).tolist()
     )
+    hook.remove()
+    cached = model.config.document_separator is None  # attention inside documents needs the whole sequence
+    assert lengths == ([6] + [1] * 7 if cached else list(range(6, 14))), lengths
 
 
 def test_custom_code_refuses_padding_and_unmerged_adapters(tmp_path):

@@ -6,9 +6,10 @@ transformers copies the files into its module cache and imports them. A thin `Pr
 (attention on the torch path: SDPA with the ALiBi bias, on every device). Weights are the model's own state_dict
 under `model.`; the tied output head is stored once.
 
-Generation through `transformers.GenerationMixin` recomputes the whole sequence for each new token (no KV cache
-in this wrapper) and takes no padding (an attention_mask with zeros is an error): exact, but slower than the MPT
-export, which transformers decodes with its cache.
+Generation through `transformers.GenerationMixin` decodes with lmcore's own KV cache (`past_key_values` is an
+`LmcoreCache`; `use_cache=False` recomputes the whole sequence for each token, and is the default of a model with
+a document separator, whose attention stays inside documents only without a cache) and takes no padding (an
+attention_mask with zeros is an error).
 """
 
 from __future__ import annotations
@@ -81,17 +82,27 @@ class LmcoreConfig(PretrainedConfig):
             self.num_hidden_layers = config.n_layer
             self.num_attention_heads = config.n_head
             kwargs.setdefault("tie_word_embeddings", config.tie_embeddings)
-        kwargs.setdefault("use_cache", False)
+        self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 '''
 MODELING = '''"""transformers' causal-LM interface around the lmcore GPT, whose code is in the lmcore_*.py files."""
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_lmcore import LmcoreConfig
-from .lmcore_model import GPT, ModelConfig
+from .lmcore_model import GPT, KVCache, ModelConfig
+
+# The output's field for the cache: `cache` from transformers 5, `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class LmcoreCache(KVCache):
+    """lmcore's KV cache (each layer's keys and values so far), with the length transformers' generation asks."""
+
+    def get_seq_length(self, layer_idx=0):
+        return len(self)
 
 
 class LmcoreForCausalLM(PreTrainedModel, GenerationMixin):
@@ -125,18 +136,33 @@ class LmcoreForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.model.lm_head = value
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        # No KV cache: every step runs the whole sequence.
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, use_cache=None, **kwargs):
+        # With lmcore's cache, only the positions it does not hold yet run. transformers 5 passes the cache as
+        # `cache`, earlier releases as `past_key_values`.
+        cache = _lmcore_cache(kwargs.get("cache", kwargs.get("past_key_values")))
+        if cache is not None and len(cache) > 0:
+            input_ids = input_ids[:, len(cache) :]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, CACHE_FIELD: cache, "use_cache": use_cache}
 
-    def forward(self, input_ids=None, attention_mask=None, labels=None, return_dict=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, cache=None, past_key_values=None,
+                use_cache=None, return_dict=None, **kwargs):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this model takes no padding: pass unpadded sequences of equal length")
-        logits = self.model(input_ids).logits  # (B, T, V)
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        cache = _lmcore_cache(cache if cache is not None else past_key_values)
+        if cache is None and use_cache and labels is None:
+            cache = LmcoreCache(self.model.config.n_layer)
+        logits = self.model(input_ids, kv_cache=cache).logits  # (B, T, V)
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
+
+
+def _lmcore_cache(cache):
+    """lmcore's cache, or None for anything else (None, or a cache object of transformers' own that a release
+    creates on its own)."""
+    return cache if isinstance(cache, KVCache) else None
 '''
 
 
@@ -214,7 +240,8 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
         "lmcore": model.config.to_dict(),
         "vocab_size": model.config.vocab_size,
         "tie_word_embeddings": model.config.tie_embeddings,
-        "use_cache": False,
+        # lmcore's cache holds no document boundaries: a model that keeps attention inside documents recomputes
+        "use_cache": model.config.document_separator is None,
         "dtype": dtype,
         **(extra_config or {}),
     }
