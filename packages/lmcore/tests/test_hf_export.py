@@ -227,3 +227,47 @@ def test_lora_adapters_load_in_peft_onto_the_exported_base(tmp_path, targets):
         ours, theirs, plain = model(ids).logits, wrapped(ids).logits, randomised(exportable())(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     assert (ours - plain).abs().max() > 1e-2  # the adapters change the output, so the comparison means something
+
+
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o"), ("v", "up", "down")])
+def test_lora_adapters_load_in_peft_onto_the_custom_code_base(tmp_path, targets):
+    # The default presets have biases, so their export is custom code: its adapters in PEFT's layout too.
+    peft = pytest.importorskip("peft")
+    from lmcore.hf_custom import save_custom
+
+    model = apply_lora(randomised(exportable(bias=True, activation="swiglu", n_kv_head=2)), targets, r=4, alpha=16)
+    with torch.no_grad():  # trained-looking adapters: B = 0 would make the test pass with no adapter at all
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    save_custom(model, tmp_path / "base", adapter_dir=tmp_path / "adapter")
+
+    def frozen(layer):
+        return layer.base if hasattr(layer, "base") else layer
+
+    want = {}  # the base: every parameter under the plain model's name, an adapted layer's frozen weight and bias
+    for name, module in model.named_modules():
+        if name and not hasattr(module, "lora_A") and not name.endswith(".base"):
+            for leaf, p in module.named_parameters(recurse=False):
+                want[f"model.{name}.{leaf}"] = p
+        if hasattr(module, "lora_A"):
+            want |= {f"model.{name}.{leaf}": p for leaf, p in frozen(module).named_parameters()}
+    want.pop("model.lm_head.weight", None)  # tied: stored once, as the embedding
+    assert_same_tensors(saved_tensors(tmp_path / "base" / "model.safetensors"), want)
+    adapters = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            adapters[f"base_model.model.model.{name}.lora_A.weight"] = module.lora_A
+            adapters[f"base_model.model.model.{name}.lora_B.weight"] = module.lora_B
+    assert_same_tensors(saved_tensors(tmp_path / "adapter" / "adapter_model.safetensors"), adapters)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", trust_remote_code=True)
+    wrapped = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 50))
+    with torch.no_grad():
+        ours = model(ids).logits
+        plain = randomised(exportable(bias=True, activation="swiglu", n_kv_head=2))(ids).logits
+        theirs = wrapped(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert (ours - plain).abs().max() > 1e-2  # the adapters change the output, so the comparison means something
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        save_custom(exportable(), tmp_path / "plain", adapter_dir=tmp_path / "nothing")

@@ -3,6 +3,7 @@ own mappings), and the comparison of a written file against it: the same names, 
 
 `mpt_tensors`: transformers' MPT (`--format hf` of a bias-free model), the head tied and not stored.
 `custom_tensors`: the custom-code export, the model's parameters under `model.`.
+`custom_base_tensors`, `custom_peft_tensors`: a LoRA model's custom-code base and its PEFT adapter file.
 `peft_tensors`: PEFT's adapter file on the MPT export (q, k and v adapters fused into one on `Wqkv`).
 `gguf_tensors`: llama.cpp's MPT names, numpy's (out, in) order.
 """
@@ -37,6 +38,31 @@ def mpt_tensors(model) -> dict[str, torch.Tensor]:
 def custom_tensors(model) -> dict[str, torch.Tensor]:
     """The model's parameters under `model.` (a tied head is one parameter, listed once as the embedding)."""
     return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+
+
+def custom_base_tensors(model) -> dict[str, torch.Tensor]:
+    """The custom-code base under a LoRA model: every parameter under the plain model's name (an adapted layer's
+    frozen weight and bias under the layer's own), no adapter; the tied head once, as the embedding."""
+    want = {}
+    for name, module in model.named_modules():
+        adapted = hasattr(module, "lora_A")
+        if adapted:
+            want |= {f"model.{name}.{leaf}": p.detach() for leaf, p in module.base.named_parameters()}
+        elif name and not name.endswith(".base"):
+            want |= {f"model.{name}.{leaf}": p.detach() for leaf, p in module.named_parameters(recurse=False)}
+    if model.config.tie_embeddings:
+        want.pop("model.lm_head.weight", None)
+    return want
+
+
+def custom_peft_tensors(model) -> dict[str, torch.Tensor]:
+    """PEFT's adapter file on the custom-code base: `lora_A` and `lora_B` of each adapted layer, under its module."""
+    want = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            want[f"base_model.model.model.{name}.lora_A.weight"] = module.lora_A.detach()
+            want[f"base_model.model.model.{name}.lora_B.weight"] = module.lora_B.detach()
+    return want
 
 
 def peft_tensors(model) -> dict[str, torch.Tensor]:

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from exported_tensors import assert_same_tensors, custom_tensors, mpt_tensors, peft_tensors
+from exported_tensors import (
+    assert_same_tensors,
+    custom_base_tensors,
+    custom_peft_tensors,
+    custom_tensors,
+    mpt_tensors,
+    peft_tensors,
+)
 from trained_runs import tiny_run, variant_run
 
 from lmtrain.cli import main
@@ -125,6 +132,38 @@ def test_default_format_writes_mpt_where_the_model_maps_and_custom_code_otherwis
     ids = torch.randint(0, biased.config.vocab_size, (1, 30))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, biased(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_biased_run_exports_its_adapters_for_peft_and_runs_in_a_pipeline(run, tmp_path):
+    # Biases (the default presets') keep a model off MPT: the custom-code base, and the adapters in PEFT's layout.
+    peft = pytest.importorskip("peft")
+    from lmcore import GPT, ModelConfig, apply_lora, save_lora
+
+    torch.manual_seed(0)
+    biased = GPT(ModelConfig.from_dict({**ours(run).config.to_dict(), "bias": True})).eval()
+    other = variant_run(run, tmp_path / "run", {1: biased}, best=1)
+    model = apply_lora(ours(other), targets=("q", "k", "v", "o", "down"), r=4, alpha=8)
+    with torch.no_grad():  # adapters that change the output (B = 0 would pass with no adapter at all)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    out = tmp_path / "hf"
+    adapters = save_lora(model, tmp_path / "adapters.safetensors")
+    assert export("--run", other, "--out", out, "--lora", adapters) == 0
+    assert_same_tensors(written(out / "model.safetensors"), custom_base_tensors(model))
+    assert_same_tensors(written(out / "adapter" / "adapter_model.safetensors"), custom_peft_tensors(model))
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(out.resolve()) and config["r"] == 4 and config["lora_alpha"] == 8
+    base = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    wrapped = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        expected = model.eval()(ids).logits
+        torch.testing.assert_close(wrapped(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        assert (expected - ours(other)(ids).logits).abs().max() > 1e-3
+    generator = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
+    [answer] = generator("def main():", max_new_tokens=6, do_sample=False)
+    assert answer["generated_text"].startswith("def main():")
 
 
 @pytest.mark.parametrize("case", ["no checkpoint", "unknown format", "not empty", "does not map", "unigram"])

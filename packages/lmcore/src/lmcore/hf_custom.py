@@ -200,9 +200,19 @@ def write_custom_code(directory: str | Path) -> list[str]:
     return sorted(files)
 
 
-def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None = None) -> Path:
+def save_custom(
+    model: GPT,
+    directory: str | Path,
+    *,
+    extra_config: dict | None = None,
+    adapter_dir: str | Path | None = None,
+    base_name: str | None = None,
+) -> Path:
     """Write `model` as a transformers directory with its own code: config.json (with `auto_map`), model.safetensors
-    and the code files. `extra_config` adds keys to config.json (e.g. `eos_token_id`). Adapters must be merged first.
+    and the code files. `extra_config` adds keys to config.json (e.g. `eos_token_id`). A model with LoRA adapters
+    needs `adapter_dir`: its frozen base goes to `directory`, its adapters to `adapter_dir` in PEFT's layout, for
+    `peft.PeftModel.from_pretrained(base, adapter_dir)` on the loaded base (or `merge_lora(model)` first); its
+    `base_model_name_or_path` is `base_name`, by default `directory`'s absolute path.
 
     Load it with `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)`.
 
@@ -219,12 +229,18 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
     """
     from lmcore.lora import lora_modules
 
-    if lora_modules(model):
-        raise ValueError("the custom-code export takes a plain model: merge_lora(model) first")
+    adapted = lora_modules(model)
+    if adapted and adapter_dir is None:
+        raise ValueError(
+            "the custom-code export of a model with LoRA adapters needs adapter_dir (PEFT's layout) for them, or "
+            "merge_lora(model) first"
+        )
+    if adapter_dir is not None and not adapted:
+        raise ValueError("adapter_dir: the model has no LoRA adapters to write")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_custom_code(directory)
-    state = model.state_dict()
+    state = base_state(model)
     if model.config.tie_embeddings:
         state.pop("lm_head.weight")
     tensors = {f"model.{k}": v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -246,4 +262,40 @@ def save_custom(model: GPT, directory: str | Path, *, extra_config: dict | None 
         **(extra_config or {}),
     }
     write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
+    if adapter_dir is not None:
+        save_custom_adapter(model, adapter_dir, base_name or str(directory.resolve()))
+    return directory
+
+
+def base_state(model: GPT) -> dict:
+    """The state_dict of the plain model under `model`'s LoRA adapters: each adapted layer's frozen weight and bias
+    under the layer's own name, no adapter tensors (the model unchanged)."""
+    from lmcore.lora import lora_modules
+
+    adapted = lora_modules(model)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in adapted and leaf in ("lora_A", "lora_B"):
+            continue
+        layer, _, inner = module.rpartition(".")
+        state[f"{layer}.{leaf}" if layer in adapted and inner == "base" else name] = tensor
+    return state
+
+
+def save_custom_adapter(model: GPT, directory: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    """`model`'s LoRA adapters as a PEFT adapter directory for its custom-code export (`save_custom`): the same
+    module names (`model.layers.N.self_attn.q_proj`, ...), `lora_alpha / r` the same scaling."""
+    from lmcore.hf_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_adapter_config
+    from lmcore.lora import lora_state
+
+    tensors = {}
+    for name, tensor in lora_state(model).items():
+        module, _, part = name.rpartition(".")  # "layers.0.self_attn.q_proj", "lora_A"
+        tensors[f"base_model.model.model.{module}.{part}.weight"] = tensor.detach().to("cpu").contiguous()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_safetensors(tensors, directory / ADAPTER_WEIGHTS, {"format": "pt"})
+    config = peft_adapter_config(model, base_model_name_or_path)
+    write_text(directory / ADAPTER_CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory

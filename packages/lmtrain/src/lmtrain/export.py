@@ -191,7 +191,9 @@ def _write_model(model: Any, tmp: Path, fmt: str, final: Path, *, max_seq_len: i
     if fmt == "hf-custom":
         from lmcore.hf_custom import save_custom
 
-        save_custom(model, tmp, extra_config={k: v for k, v in token_ids.items() if v is not None})
+        extra = {k: v for k, v in token_ids.items() if v is not None}
+        adapters = tmp / ADAPTER_DIR if lora_modules(model) else None  # named after the base where it will be
+        save_custom(model, tmp, extra_config=extra, adapter_dir=adapters, base_name=str(final.resolve()))
         return
     from lmcore.hf_mpt import to_mpt, to_peft
 
@@ -395,11 +397,7 @@ def _layout(model: Any, path: Path, fmt: str, merge_lora: bool) -> tuple[str, li
                 raise LmtrainError(f"--merge-lora: {exc}") from None
         elif fmt == "gguf":
             raise LmtrainError("--format gguf takes no separate adapters: add --merge-lora to fold them in")
-        elif fmt == "hf-custom":
-            why = f" (the model does not map onto MPT: {'; '.join(bad)})" if asked == "hf" else ""
-            raise LmtrainError(f"--format {asked} writes custom code{why}, which takes no separate adapters: add "
-                               "--merge-lora to fold them in")  # fmt: skip
-        else:
+        else:  # a PEFT adapter directory on the MPT or the custom-code base
             _import_hf("peft")
     return fmt, bad
 
