@@ -65,14 +65,28 @@ def test_the_kit_file_doctor_suggests_is_found_from_any_directory(tmp_path, monk
     import shlex
     from pathlib import Path
 
+    from lmtrain import shell
     from lmtrain.doctor import WARN, check_nccl_env
 
-    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
-    monkeypatch.chdir(tmp_path)  # not the checkout: a path relative to it would not be found from here
-    warned = [c for c in check_nccl_env(False) if c.name == "NCCL_IB_DISABLE"]
     if Path("/sys/class/infiniband").is_dir() and any(Path("/sys/class/infiniband").iterdir()):
         pytest.skip("this machine has InfiniBand: no warning to check")
-    [check] = warned
-    assert check.status == WARN and check.fix.startswith("source ")
-    script = Path(shlex.split(check.fix.removeprefix("source "))[0])
-    assert script.is_file() and script.name == "env.sh", check.fix
+    monkeypatch.delenv("NCCL_IB_DISABLE", raising=False)
+    # lmtrain as run from a checkout (an editable install), whichever way this test's lmtrain is installed
+    checkout = tmp_path / "checkout"
+    (checkout / "tools" / "cluster-3090").mkdir(parents=True)
+    (checkout / "tools" / "cluster-3090" / "env.sh").write_text("export NCCL_IB_DISABLE=1\n")
+    monkeypatch.setattr(shell, "__file__", str(checkout / "packages" / "lmtrain" / "src" / "lmtrain" / "shell.py"))
+    for where in (tmp_path, checkout, checkout / "tools"):  # outside the checkout, at its top, below it
+        monkeypatch.chdir(where)
+        [check] = [c for c in check_nccl_env(False) if c.name == "NCCL_IB_DISABLE"]
+        assert check.status == WARN and check.fix.startswith("source ")
+        script = Path(shlex.split(check.fix.removeprefix("source "))[0])
+        assert script.is_file() and script.resolve() == (checkout / "tools" / "cluster-3090" / "env.sh"), check.fix
+
+
+def test_an_installed_wheel_names_the_kit_file_inside_the_repository(tmp_path, monkeypatch):
+    from lmtrain import shell
+
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "lmtrain" / "shell.py"
+    monkeypatch.setattr(shell, "__file__", str(site))  # no checkout around it
+    assert shell.kit_file("env.sh") == "tools/cluster-3090/env.sh of the repository"
