@@ -76,13 +76,16 @@ class FinetuneEstimate:
 
 
 def _targets(targets: tuple[str, ...]) -> set[str]:
-    """Short target names (q, k, v, o, gate, up, down, mlp) as lmcore.lora's layer names."""
+    """LoRA targets (q, k, v, o, gate, up, down, mlp, or the layer names) as lmcore.lora's layer names, as
+    apply_lora reads them."""
     out: set[str] = set()
     for t in targets:
         if t == "mlp":
             out |= {"gate_proj", "up_proj", "down_proj"}
         elif t in TARGET_MODULES:
             out.add(TARGET_MODULES[t])
+        elif t in TARGET_MODULES.values():
+            out.add(t)
         else:
             raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(TARGET_MODULES)} or 'mlp'")
     return out

@@ -395,13 +395,19 @@ def _guarded(name: str, check, *args):
 
 def run_doctor(args: argparse.Namespace) -> int:
     """Run every check, print one line each, return 1 if any FAILed; with ``--world``, print which configuration
-    fits instead (:func:`run_plan`)."""
+    fits instead (:func:`run_plan`); with ``--from DIR``, which fine-tuning method fits (:func:`run_from`)."""
+    if getattr(args, "source", None) is not None:
+        from lmtrain.doctor_from import run_from
+
+        return run_from(args)
+    if getattr(args, "seq_len", None) is not None:
+        raise LmtrainError("--seq-len is for the fine-tuning table: add --from DIR (a Hugging Face model directory)")
     if getattr(args, "world", None) is not None:
         from lmtrain.doctor_plan import run_plan
 
         return run_plan(args)
     if getattr(args, "micro_batch", None) is not None:
-        raise LmtrainError("--micro-batch is for the configuration table: add --world N (and --preset)")
+        raise LmtrainError("--micro-batch is for the configuration table: add --world N (and --preset), or --from DIR")
     hosts = read_hostfile(args.hostfile) if args.hostfile else []
     data_dir = getattr(args, "data", None)
     checks = _guarded("versions", check_versions)

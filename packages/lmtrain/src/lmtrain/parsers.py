@@ -455,9 +455,14 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
         return value
 
     plan = p.add_argument_group("which configuration fits (a table instead of the checks)")
-    plan.add_argument("--world", type=count, default=None, metavar="N", help="GPUs of the run, all nodes together")
+    plan.add_argument("--world", type=count, default=None, metavar="N", help="GPUs of the run, all nodes together "
+                      "(with --from: FSDP over N beside one GPU; default 1 and 2)")  # fmt: skip
     plan.add_argument("--micro-batch", type=count, default=None, metavar="M", help="sequences per GPU per forward "
-                      "(default: the preset's recipe)")  # fmt: skip
+                      "(default: the preset's recipe; with --from, finetune's default)")  # fmt: skip
+    plan.add_argument("--from", dest="source", default=None, metavar="DIR", help="a Hugging Face model directory "
+                      "(config.json alone suffices): which of full fine-tuning, LoRA and QLoRA fit")  # fmt: skip
+    plan.add_argument("--seq-len", type=count, default=None, metavar="T", help="with --from: tokens per row "
+                      "(default: finetune's for a base, 1024 or the model's context if shorter)")  # fmt: skip
     plan.add_argument("--gpu-memory", type=gib, default=24.0, metavar="GB", help="one GPU's memory, GiB (24: RTX 3090)")
     plan.add_argument("--gpus-per-node", type=count, default=4, metavar="G", help="GPUs per node (4: the kit)")
 
