@@ -1,6 +1,6 @@
 """A tiny Hugging Face base model written by transformers inside the tests (no download): a random Qwen2 (q/k/v
-biases, grouped KV heads, tied embeddings) with a byte-level BPE trained here on standard-library source, ChatML's
-special tokens and a ChatML chat template, saved as transformers saves a published chat model."""
+biases, grouped KV heads, tied embeddings) or Llama with a byte-level BPE trained here on standard-library source,
+ChatML's special tokens and a ChatML chat template, saved as transformers saves a published chat model."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ REGEX = (
 )
 
 
-def write_qwen2_base(directory: Path, *, seed: int = 0, layers: int = 2) -> Path:
-    """``directory`` holding config.json, model.safetensors, tokenizer.json, tokenizer_config.json and the template."""
+def write_qwen2_base(directory: Path, *, seed: int = 0, layers: int = 2, architecture: str = "qwen2") -> Path:
+    """``directory`` holding config.json, model.safetensors, tokenizer.json, tokenizer_config.json and the template;
+    ``architecture`` "qwen2" (Qwen2ForCausalLM) or "llama" (LlamaForCausalLM, the same sizes, no biases)."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     from lmtrain.corpus import build_corpus
 
@@ -45,9 +46,12 @@ def write_qwen2_base(directory: Path, *, seed: int = 0, layers: int = 2) -> Path
                                      chat_template=CHATML)  # fmt: skip
     hf_tok.save_pretrained(directory)
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         eos_token_id=tok.token_to_id("<|im_end|>"))  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        architecture
+    ]
+    config = config_class(vocab_size=tok.get_vocab_size(), hidden_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                          max_position_embeddings=512, tie_word_embeddings=True,
+                          eos_token_id=tok.token_to_id("<|im_end|>"))  # fmt: skip
+    model_class(config).save_pretrained(directory)
     return directory

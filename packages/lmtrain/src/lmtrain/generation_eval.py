@@ -252,17 +252,31 @@ def evaluate_prompts(run_dir: str | os.PathLike, prompts_file: str | os.PathLike
     model, run, path = load_trained_model(run_dir, str(where), checkpoint=checkpoint)
     target = Path(out) if out is not None else Path(run_dir) / f"generations-{path.name}.jsonl"
     refuse_output_over_input(target, {"--prompts": prompts_file}, flag="--generations")
+    result = score_prompts(model, load_tokenizer(run_dir), run, items, target, max_new_tokens=max_new_tokens,
+                           temperature=temperature, seed=seed, top_k=top_k, force=force,
+                           where=str(prompts_file))  # fmt: skip
+    return result | {"checkpoint": str(path)}
+
+
+def score_prompts(model: Any, sp: Any, run: Any, items: Sequence[tuple[Any, str]], target: Path, *,
+                  max_new_tokens: int, temperature: float = 0.0, seed: int | None = None, top_k: int | None = None,
+                  force: bool = False, where: str = "--prompts") -> dict[str, Any]:  # fmt: skip
+    """Generate an answer to each (prompt, reference) of ``items`` with ``model`` and tokenizer ``sp``, score them
+    (:func:`score`) and write every prompt, reference and generation to ``target``. ``run`` is the RunRecord whose
+    chat template and EOS the prompts go through; None for chat prompts to a base model's own tokenizer, which
+    brings its template (a Hugging Face directory that is no run: `lmtrain demo --finetune --base`)."""
+    if run is None and any(isinstance(p, str) for p, _ in items):
+        raise LmtrainError(f"{where}: plain-text prompts need a run's EOS; give chat prompts (messages)")
     with _generations_file(target) as f:  # opened before the generation: an output that cannot be written fails now
-        sp = load_tokenizer(run_dir)
         answers = generate_answers(model, sp, run, [p for p, _ in items], max_new_tokens=max_new_tokens,
                                    temperature=temperature, seed=seed, top_k=top_k, force=force,
-                                   where=str(prompts_file))  # fmt: skip
+                                   where=where)  # fmt: skip
         references = [r for _, r in items]
         result = score(answers, references)
         for i, ((prompt, reference), answer) in enumerate(zip(items, answers, strict=True)):
             shown = prompt if isinstance(prompt, str) else [{"role": r, "content": c} for r, c in prompt]
             f.write(json.dumps({"id": i, "prompt": shown, "reference": reference, "generation": answer}) + "\n")
-    return result | {"checkpoint": str(path), "generations": str(target), "temperature": temperature, "seed": seed}
+    return result | {"generations": str(target), "temperature": temperature, "seed": seed}
 
 
 @contextlib.contextmanager

@@ -486,6 +486,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
         "body, held out by module) and print the held-out response loss and BLEU-4 before and after",
     )
     p.add_argument("--finetune-budget", type=float, default=120.0, metavar="SECONDS", help="fine-tuning time")
+    p.add_argument("--base", default=None, metavar="DIR", help="with --finetune: skip the pretraining and fine-tune "
+                   "this Hugging Face base model directory (Llama, Qwen2, Mistral) instead; 'smollm2' names the "
+                   "SmolLM2-135M-Instruct directory tools/smollm2_base.py builds")  # fmt: skip
 
 
 def run_flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
