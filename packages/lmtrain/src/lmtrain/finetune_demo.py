@@ -24,7 +24,8 @@ DEMO_PROMPTS = 24  # held-out prompts answered before and after (greedy)
 DEMO_NEW_TOKENS = 96
 DEMO_LORA_R, DEMO_LORA_ALPHA, DEMO_LORA_DROPOUT = 16, 32.0, 0.05
 DEMO_LR = 2e-3  # a small model and a short budget: a larger step than FINETUNE_DEFAULTS' 2e-4
-# A base model (--base): XXX
+# A base model (--base): a model of 100M parameters and more takes seconds per step on a CPU: fewer, smaller steps,
+# each logged.
 DEMO_BASE_SETTINGS: dict[str, Any] = {"lr": 1e-3, "micro_batch": 4, "warmup_steps": 2, "log_every": 1}
 
 
