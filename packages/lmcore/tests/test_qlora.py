@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -98,3 +101,31 @@ def test_scale_blocks_split_into_whole_blocks_over_2_4_8_ranks(shape):
 def test_a_layer_too_small_for_8_ranks_takes_the_largest_split_it_allows():
     assert qlora.scaler_block_for(12 * 64) == 3  # 12 blocks: 4 scale blocks of 3 (8 does not divide 12, 4 does)
     assert qlora.scaler_block_for(3 * 64) == 3  # 3 blocks: one scale block (no power of two above 1 divides 3)
+
+
+def _mapped(path) -> bool:
+    """Whether this process maps ``path`` into memory (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return any(line.rstrip().endswith(str(path)) for line in maps)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_quantizing_a_from_hf_model_releases_the_mapped_base_file(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_checkpoints import write_checkpoint
+    from safetensors.torch import load_file
+
+    from lmcore import from_hf
+
+    write_checkpoint(tmp_path, "Qwen2ForCausalLM")  # q/k/v biases and norms: frozen tensors that stay unquantized
+    path = (tmp_path / "model.safetensors").resolve()
+    model = apply_lora(from_hf(tmp_path), r=4)
+    gc.collect()
+    assert _mapped(path)  # from_hf's tensors are views of the file
+    qlora.quantize_frozen_linears(model)
+    gc.collect()
+    # The pages of the weights replaced by NF4 copies no longer stay resident through a mapping the rest holds.
+    assert not _mapped(path)
+    state = load_file(path)
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    assert torch.equal(model.layers[0].self_attn.k_proj.base.bias, state["model.layers.0.self_attn.k_proj.bias"])

@@ -154,6 +154,13 @@ def quantize_frozen_linears(model: M, skip: tuple[str, ...] = ("lm_head",)) -> M
         parent, attr, child = found.pop()
         setattr(parent, attr, NF4Linear(child))
         del child
+    # lmcore.from_hf's tensors are views of the mapped safetensors file: the pages of the weights just replaced stay
+    # resident for as long as any other tensor of that file (the embedding, norms, biases) keeps the mapping. Those
+    # get memory of their own, and the mapping goes with its last view.
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not tensor.requires_grad and type(tensor.data) is torch.Tensor:
+                tensor.data = tensor.data.clone()
     return model
 
 
