@@ -99,3 +99,21 @@ def test_adapters_file_with_bad_settings_is_a_value_error_naming_it(tmp_path, se
     save_file({"layers.0.self_attn.q_proj.lora_A": torch.zeros(4, 64)}, path, metadata={"lora_settings": settings})
     with pytest.raises(ValueError, match=r"adapters\.safetensors: " + pattern):
         load_lora(tiny(), path)
+
+
+def test_adapters_on_a_bf16_base_train_in_fp32_and_keep_small_steps():
+    model = apply_lora(tiny().to(torch.bfloat16), r=4, alpha=8)
+    adapter = model.layers[0].self_attn.q_proj
+    assert adapter.base.weight.dtype == torch.bfloat16 and adapter.lora_A.dtype == adapter.lora_B.dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    assert model(ids).logits.dtype == torch.bfloat16  # no autocast: the update is cast back to the base's dtype
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)  # finetune's default rate
+    for _ in range(2):  # A's gradient is 0 while B is 0: its first move is on the second step
+        before = adapter.lora_A.detach().clone()
+        opt.zero_grad()
+        model(ids[:, :-1], ids[:, 1:]).loss.backward()
+        opt.step()
+    # Steps of about 2e-4: in bf16 about half of A's entries (|a| > 1/16) would round back to where they were.
+    assert (adapter.lora_A != before).float().mean() > 0.99
+    merged = merge_lora(model)
+    assert merged.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # merged into the base's dtype

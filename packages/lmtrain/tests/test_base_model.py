@@ -134,6 +134,30 @@ def test_full_fine_tuning_with_trainable_moves_only_what_it_names(made, tmp_path
     assert read_run_record(run).finetune["trainable"] == "mlp"
 
 
+def test_a_bf16_base_trains_in_fp32_so_small_steps_are_kept(made, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lmcore import from_hf
+    from lmtrain.run_files import load_trained_model
+
+    base = tmp_path / "bf16"
+    shutil.copytree(made["base"], base)
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(base)  # as published bases are
+    flags = ("--data", str(made["pairs"]), *SMALL, "--max-steps", "2")
+    assert main(["finetune", "--from", str(base), "--out", str(tmp_path / "full"), "--method", "full", *flags]) == 0
+    trained, before = load_trained_model(tmp_path / "full")[0].state_dict(), from_hf(base).state_dict()
+    q = "layers.0.self_attn.q_proj.weight"
+    assert before[q].dtype == torch.bfloat16 and trained[q].dtype == torch.float32
+    # lr 5e-5 (full fine-tuning's default): in bf16 most entries would round back to where they were
+    assert (trained[q] != before[q].float()).float().mean() > 0.9
+    assert main(["finetune", "--from", str(base), "--out", str(tmp_path / "lora"), *flags]) == 0
+    with safe_open(str(tmp_path / "lora" / "adapters.safetensors"), "pt") as f:
+        assert {str(f.get_slice(k).get_dtype()) for k in f.keys()} == {"F32"}  # noqa: SIM118 (not a Mapping)
+    model = load_trained_model(tmp_path / "lora")[0]
+    assert model.layers[0].self_attn.q_proj.base.weight.dtype == torch.bfloat16  # the frozen base stays in 16 bits
+
+
 def test_qlora_on_a_base_trains_only_the_adapters(made, tmp_path):
     pytest.importorskip("torchao")
     from lmcore import from_hf

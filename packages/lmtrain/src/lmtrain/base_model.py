@@ -123,14 +123,15 @@ def pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def load_base_weights(source: BaseSource, config: Any) -> Any:
+def load_base_weights(source: BaseSource, config: Any, dtype: Any = None) -> Any:
     """The base's weights in lmcore's GPT built from ``config`` (the planned model: the base's, with what the plan
-    may change without touching a tensor, such as dropout or activation checkpointing)."""
+    may change without touching a tensor, such as dropout or activation checkpointing), in ``dtype`` (None: the
+    checkpoint's own, bf16 for most published bases)."""
     from lmcore import from_hf
     from lmcore.hf_llama import HFImportError
 
     try:
-        model = from_hf(source.directory, config=config)
+        model = from_hf(source.directory, dtype=dtype, config=config)
     except HFImportError as exc:
         raise LmtrainError(f"--from {source.spec}: {exc}") from None
     return model.train()

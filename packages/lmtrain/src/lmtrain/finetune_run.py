@@ -367,12 +367,17 @@ def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
 def _model(plan: Any, request: FinetuneRequest, source: Any = None) -> Any:
     """The model that trains: the planned GPT with the source's weights (random ones for a probe), a base model's
     read straight into it (lmtrain.base_model), then the adapters (and the 4-bit base of QLoRA)."""
+    import torch
+
     import lmcore
     from lmtrain.base_model import BaseSource, load_base_weights
     from lmtrain.init_from import load_init_weights
 
     if isinstance(source, BaseSource):
-        model = load_base_weights(source, plan.model)
+        # Weights that train are held in fp32 (bf16 compute is autocast's or FSDP's): an AdamW step of lr 5e-5 on a
+        # bf16 weight of size 0.02 is below its rounding step and would be lost. A frozen base keeps its checkpoint's
+        # precision; LoRA's adapters on it are fp32 (lmcore.lora).
+        model = load_base_weights(source, plan.model, torch.float32 if request.method == "full" else None)
     else:
         model = lmcore.GPT(plan.model)
         if source is not None:
