@@ -6,7 +6,16 @@ import torch
 
 from alibi_kernels import BACKENDS
 from lmcore import GPT, PRESETS, ModelConfig, n_params
-from lmcore.config import ACTIVATIONS, ATTENTION_BACKENDS, CHECKPOINTING, INIT_SCHEMES, NORMS, POSITIONS, ROPE_SCALINGS
+from lmcore.config import (
+    ACTIVATIONS,
+    ATTENTION_BACKENDS,
+    CHECKPOINTING,
+    INIT_SCHEMES,
+    LOSS_LOGITS,
+    NORMS,
+    POSITIONS,
+    ROPE_SCALINGS,
+)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -106,6 +115,7 @@ LITERAL_FIELDS = {
     "attention_backend": ATTENTION_BACKENDS,
     "position": POSITIONS,
     "rope_scaling": ROPE_SCALINGS,
+    "loss_logits": LOSS_LOGITS,
 }
 
 

@@ -133,7 +133,7 @@ def _saved_bytes(model: GPT, batch: int, seq: int) -> int:
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, labels=ids)
-    return sum(seen.values()) + out.logits.numel() * out.logits.element_size()
+    return sum(seen.values()) + (0 if out.logits is None else out.logits.numel() * out.logits.element_size())
 
 
 @pytest.mark.parametrize("base", [LLAMA_LIKE, GPT_LIKE], ids=["rmsnorm-swiglu-rope", "layernorm-gelu-alibi"])
@@ -154,6 +154,30 @@ def test_activations_equal_what_autograd_saves(base, method, checkpointing):
         activation_bytes_per_layer(cfg, tokens, method)  # fmt: skip
     estimate = finetune_activation_bytes(cfg, batch, seq, method, checkpointing)
     assert estimate == pytest.approx(saved + rest, rel=0.01)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_labelled_loss_keeps_what_the_estimate_says(method):
+    """loss_logits "labelled": the forward keeps the blocks' activations, the final hidden states and labels, and no
+    logits; the estimate adds one chunk's logits and final norm, rebuilt in the backward (not saved by the forward)."""
+    from lmcore.finetune_memory import _norm_bytes
+    from lmcore.model import LOSS_CHUNK_ROWS
+
+    cfg = ModelConfig(**{**LLAMA_LIKE.to_dict(), "loss_logits": "labelled"})
+    model = GPT(cfg).train()
+    if method == "lora":
+        apply_lora(model, r=8)
+    batch, seq = 2, 128
+    tokens = batch * seq
+    saved = _saved_bytes(model.to(torch.bfloat16), batch, seq) + cfg.n_layer * attention_kernel_bytes(cfg, tokens)
+    final_norm = _norm_bytes(cfg, method == "full") + (2 * cfg.d_model if method == "full" else 0)
+    rebuilt = min(tokens, LOSS_CHUNK_ROWS) * (final_norm + 6 * cfg.vocab_size)
+    estimate = finetune_activation_bytes(cfg, batch, seq, method)
+    assert estimate - rebuilt == pytest.approx(saved, rel=0.01)
+    # At finetune's default 8 rows of 1024 tokens of Qwen2-1.5B, 3/4 of the B x T x V logits are no longer held.
+    qwen2, rows = config_from_hf(QWEN2_1_5B), 8 * 1024
+    held = [finetune_activation_bytes(qwen2, 8, 1024, method, loss_logits=k) for k in ("all", "labelled")]
+    assert held[0] - held[1] > 0.75 * rows * 6 * qwen2.vocab_size
 
 
 def test_checkpointing_and_batch_scale_the_activations():

@@ -191,6 +191,20 @@ def test_a_resumed_base_finetune_gives_the_same_losses(made, tmp_path):
     assert losses(tmp_path / "twice") == losses(tmp_path / "once")
 
 
+def test_a_base_runs_tokenizer_that_is_not_the_weights_is_refused(made, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _finetune(made, run, "--max-steps", "1") == 0
+    tokenizer = run / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + " ")  # another file, the same tokenizer to any reader
+    for argv in (["generate", "--run", str(run), "--chat", "--prompt", "hi"], ["export", "--run", str(run), "--out",
+                 str(tmp_path / "hf")]):  # fmt: skip
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is not the tokenizer" in err and "tokenizer.json" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
 def _no_tokenizer(base, tmp):
     (tmp / "b" / "tokenizer.json").unlink()
 

@@ -367,6 +367,8 @@ ROWS = [
     ("train triton on cpu", [*T, "--out", "{tmp}/r", "--set", "attention_backend=triton"], _no_triton_interpreter,
      ["attention_backend='triton'", "cpu", "attention_backend=auto"]),
     ("train --max-steps 0", [*T, "--out", "{tmp}/r", "--max-steps", "0"], None, ["--max-steps 0", ">= 1"]),
+    ("train --set seed=1e20", [*T, "--out", "{tmp}/r", "--set", "seed=1e20"], None, ["seed", "below 2**32"]),
+    ("train --out ''", [*T, "--out", ""], None, ["--out ''", "expected a run directory"]),
     ("train --time-budget 0", [*T, "--out", "{tmp}/r", "--time-budget", "0"], None, ["time_budget", "> 0"]),
     ("train --time-budget nan", [*T, "--out", "{tmp}/r", "--time-budget", "nan"], None, ["time_budget", "finite"]),
     ("train run.json not JSON", [*T, "--out", "{tmp}/run", "--resume"], _run_json_garbage, ["run.json", "unreadable"]),
@@ -425,6 +427,8 @@ ROWS = [
     ("generate --temperature nan", ["generate", *R, "--prompt", "x", "--temperature", "nan"], _run_copy,
      ["--temperature", "nan"]),
     ("generate --top-k 0", ["generate", *R, "--prompt", "x", "--top-k", "0"], _run_copy, ["--top-k", "0"]),
+    ("generate --seed 1e20", ["generate", *R, "--prompt", "x", "--seed", str(10**20)], _run_copy,
+     ["--seed", "from 0 to 4294967295", str(10**20)]),
     ("generate NaN weights", ["generate", *R, "--prompt", "x", "--checkpoint", "latest"], _nan_weights,
      ["NaN or inf", "step_00000002"]),
     ("generate --prompt not UTF-8", ["generate", *R, "--prompt", b"ab\xff".decode("utf-8", "surrogateescape")],
@@ -477,7 +481,10 @@ def test_bad_input_is_one_line(argv, setup, words, made, tmp_path, monkeypatch, 
         values = {"tmp": tmp_path, "corpus": made / "corpus.txt", "data": made / "data", "pid": f"pid {os.getpid()}",
                   "host": socket.gethostname(), **extra}  # fmt: skip
         capsys.readouterr()
-        code = main([a.format(**values) for a in argv])
+        try:
+            code = main([a.format(**values) for a in argv])
+        except SystemExit as exc:  # argparse's own refusals (a flag's type): the same status and one line
+            code = exc.code
         err = capsys.readouterr().err.strip()
     finally:
         for undo in stack:

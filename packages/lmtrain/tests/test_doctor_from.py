@@ -88,12 +88,14 @@ def test_the_figures_are_lmcores_estimates_at_finetunes_defaults(tmp_path, capsy
                                                        for w in ("one GPU", "FSDP x 2")}  # fmt: skip
     for (method, layout, ckpt), figures in rows.items():
         world = 1 if layout == "one GPU" else 2
-        est = lmcore.estimate_finetune_memory(config, method, 8, 1024, world, ckpt, lora_r=8)
+        est = lmcore.estimate_finetune_memory(config, method, 8, 1024, world, ckpt, lora_r=8, loss_logits="labelled")
         expected = (est.weights, est.gradients + est.optimizer_states, est.gathered, est.activations, est.total)
         assert figures[:5] == [f"{b / GIB:.2f}" for b in expected]
         assert figures[5] == ("yes" if est.total <= 0.9 * 24 * GIB else "no")
-    # 8 rows of 1024 tokens: the logits alone (8192 x 151936, 6 bytes each) are 7 GiB; LoRA needs checkpointing.
+    # 8 rows of 1024 tokens: finetune's loss holds 2048 rows of logits (8192 x 151936 would be 7 GiB), QLoRA fits
+    # one card as it is, LoRA with block checkpointing.
     assert rows[("lora", "one GPU", "off")][-1] == "no" and rows[("lora", "one GPU", "block")][-1] == "yes"
+    assert rows[("qlora", "one GPU", "off")][-1] == "yes"
 
 
 def test_world_and_gpu_memory_change_the_verdicts(tmp_path, capsys):

@@ -194,6 +194,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(run, tmp_path, capsys, 
             [run.parent / "input.txt"], tmp_path / "uni", 400, model_type="unigram", **options
         )
         os.replace(model, source / "tokenizer.model")
+        record = json.loads((source / "run.json").read_text())  # a run trained with this tokenizer records it
+        (source / "run.json").write_text(
+            json.dumps({**record, "tokenizer_sha256": tokbin.file_sha256(source / "tokenizer.model")})
+        )
         named = "disagrees with SentencePiece"
     before = sorted(p.name for p in tmp_path.iterdir())
     capsys.readouterr()

@@ -83,8 +83,18 @@ def test_links_that_stay_inside_are_fine(run_copy, capsys):
     assert train("--resume") == 0, capsys.readouterr().err
 
 
-def test_a_tokenizer_that_is_not_the_weights_is_refused(run_copy, tmp_path, capsys):
+@pytest.mark.parametrize("record", ["in the checkpoint", "in run.json alone"])
+def test_a_tokenizer_that_is_not_the_weights_is_refused(run_copy, tmp_path, capsys, record):
     run, train = run_copy
+    if record == "in run.json alone":  # extra_state.json removed and each manifest made to agree again
+        for ckpt in (run / "checkpoints").glob("step_*"):
+            (ckpt / "extra_state.json").unlink()
+            manifest = json.loads((ckpt / "manifest.json").read_text())
+            del manifest["files"]["extra_state.json"]
+            for rel in manifest["files"]:
+                data = (ckpt / rel).read_bytes()
+                manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            (ckpt / "manifest.json").write_text(json.dumps(manifest))
     sp_model = run / "tokenizer.model"
     swapped = bytearray(sp_model.read_bytes())
     swapped[-1] ^= 0x01  # another tokenizer of the same size

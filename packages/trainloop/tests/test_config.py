@@ -34,6 +34,8 @@ BAD = [
     ("eval_batches", 0),
     ("keep_last", 0),
     ("seed", -1),
+    ("seed", 2**32),
+    ("seed", 10**20),
     ("time_budget_s", 0.0),
     ("engine", "jax"),
     ("zero_stage", 4),

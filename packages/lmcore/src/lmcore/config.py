@@ -16,6 +16,7 @@ Checkpointing = Literal["off", "attention", "block"]
 # alibi_kernels.BACKENDS as a type; tests/test_config.py checks that the two name the same backends.
 AttentionBackend = Literal["auto", "triton", "torch"]
 Position = Literal["alibi", "rope"]
+LossLogits = Literal["all", "labelled"]
 # Hugging Face's rope_type names for the rotary scalings lmcore computes ("none": transformers' "default").
 RopeScaling = Literal["none", "linear", "dynamic", "llama3"]
 
@@ -26,6 +27,7 @@ CHECKPOINTING: tuple[Checkpointing, ...] = get_args(Checkpointing)
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = get_args(AttentionBackend)
 POSITIONS: tuple[Position, ...] = get_args(Position)
 ROPE_SCALINGS: tuple[RopeScaling, ...] = get_args(RopeScaling)
+LOSS_LOGITS: tuple[LossLogits, ...] = get_args(LossLogits)
 # Each Literal field with the names it accepts, in the order __post_init__ checks them.
 _CHOICES: dict[str, tuple[str, ...]] = {
     "activation": ACTIVATIONS,
@@ -35,6 +37,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "position": POSITIONS,
     "rope_scaling": ROPE_SCALINGS,
+    "loss_logits": LOSS_LOGITS,
 }
 # alibi_kernels.alibi_attention accepts head dims in this range (its Triton tiles need D >= 16).
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -65,6 +68,12 @@ class ModelConfig:
     smoothed per-frequency factors, with `rope_low_freq_factor`, `rope_high_freq_factor` and
     `rope_original_context`, their original_max_position_embeddings). `rope_original_context=None` means
     `context_length`. `qkv_bias` puts a bias on q, k and v alone (Qwen2) whatever `bias` says.
+
+    `loss_logits` is how a forward with labels computes its loss, and changes no weight: "all" holds the (B, T, V)
+    logits of every position and returns them; "labelled" (what `lmtrain finetune` uses) takes the logits of the
+    labelled positions alone, a chunk of rows at a time recomputed in the backward pass, and returns no logits:
+    with prompt masking most positions carry no label, and B x T x V fp32 logits are the largest activation of a
+    model with a large vocabulary (Qwen2's 151,936).
 
     Example:
         >>> cfg = ModelConfig.from_preset("tiny", n_kv_head=2)
@@ -98,6 +107,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_context: int | None = None
     qkv_bias: bool = False
+    loss_logits: LossLogits = "all"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "d_model", "context_length"):

@@ -30,7 +30,10 @@ the backward in lmcore's model:
   lmcore's model on the CPU (everything but the kernel, which runs only on a GPU): equal within 1%.
   Block checkpointing keeps each block's input (2 h per layer) and rebuilds one block at a time in the backward.
   The output layer: the final norm as above, the head's input where it trains (2 h), B x T x V logits in bf16 and
-  their fp32 copy for the loss (6 bytes per element), the token ids (8).
+  their fp32 copy for the loss (6 bytes per element), the token ids (8). With the loss from the labelled positions
+  alone (ModelConfig.loss_logits "labelled", `lmtrain finetune`'s default; lmcore.model.labelled_loss): the
+  hidden states of the labelled positions (2 h, every position counted, an upper bound) and their labels (8), and
+  the logits of one chunk of LOSS_CHUNK_ROWS positions with its final norm, rebuilt in the backward pass.
 
 Not counted, as lmcore.memory leaves them out: the CUDA context, allocator fragmentation, the gradient of the
 logits while the backward starts, communication buckets. :func:`estimate_finetune_memory` returns the figures;
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from lmcore.config import ModelConfig, n_params
 from lmcore.lora import DEFAULT_TARGETS, TARGET_MODULES
 from lmcore.memory import block_parameters, estimate_fsdp_memory, estimate_memory
+from lmcore.model import LOSS_CHUNK_ROWS
 from lmcore.qlora import NF4_BLOCK, scaler_block_for
 
 METHODS = ("full", "lora", "qlora")
@@ -174,8 +178,9 @@ def activation_bytes_per_layer(config: ModelConfig, tokens: int, method: str,
 
 def finetune_activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, method: str,
                               checkpointing: str = "off", targets: tuple[str, ...] = DEFAULT_TARGETS,
-                              r: int = 8) -> int:  # fmt: skip
-    """Activation bytes of one forward kept for the backward (module docstring).
+                              r: int = 8, loss_logits: str | None = None) -> int:  # fmt: skip
+    """Activation bytes of one forward kept for the backward (module docstring); ``loss_logits`` None is the
+    config's.
 
     Example:
         >>> cfg = ModelConfig.from_preset("tiny")
@@ -194,6 +199,9 @@ def finetune_activation_bytes(config: ModelConfig, micro_batch: int, seq_len: in
     final_norm = _norm_bytes(config, full) + (BF16 * config.d_model if full else 0)  # + the (tied) head's input
     # With a frozen embedding no gradient flows below the first block: its first norm keeps nothing.
     first_norm = 0 if full or checkpointing != "off" else _norm_bytes(config, False)
+    if (loss_logits or config.loss_logits) == "labelled":
+        chunk = min(tokens, LOSS_CHUNK_ROWS) * (final_norm + 6 * config.vocab_size)
+        return layers + tokens * (BF16 * config.d_model + 8 - first_norm) + chunk
     return layers + tokens * (final_norm - first_norm + 6 * config.vocab_size + 8)
 
 
@@ -206,9 +214,11 @@ def estimate_finetune_memory(
     checkpointing: str = "off",
     lora_r: int = 8,
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS,
+    loss_logits: str | None = None,
 ) -> FinetuneEstimate:
     """Per-GPU memory of fine-tuning ``config`` by ``method`` (full, lora, qlora) at ``micro_batch`` x ``seq_len``
-    tokens, on one GPU (``world_size`` 1) or under FSDP over ``world_size`` GPUs (module docstring).
+    tokens, on one GPU (``world_size`` 1) or under FSDP over ``world_size`` GPUs (module docstring); ``loss_logits``
+    None is the config's ("labelled": what `lmtrain finetune` runs).
 
     Example (Qwen2-1.5B's shape):
         >>> cfg = ModelConfig(vocab_size=151936, n_layer=28, n_head=12, n_kv_head=2, d_model=1536, d_ff=8960,
@@ -224,7 +234,8 @@ def estimate_finetune_memory(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     psi, n = n_params(config), world_size
-    activations = finetune_activation_bytes(config, micro_batch, seq_len, method, checkpointing, lora_targets, lora_r)
+    activations = finetune_activation_bytes(config, micro_batch, seq_len, method, checkpointing, lora_targets, lora_r,
+                                            loss_logits)  # fmt: skip
     if method == "full":
         shape = (config, micro_batch, seq_len, "bf16")
         est = estimate_fsdp_memory(*shape, world_size=n) if n > 1 else estimate_memory(*shape, zero_stage=0)

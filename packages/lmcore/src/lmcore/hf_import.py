@@ -152,7 +152,7 @@ def _open(path: Path) -> Any:
 
 # ModelConfig fields a caller of from_hf may set otherwise than config.json: none changes a tensor or the logits of
 # one unpacked sequence.
-FREE_FIELDS = ("dropout", "checkpointing", "attention_backend", "document_separator")
+FREE_FIELDS = ("dropout", "checkpointing", "attention_backend", "document_separator", "loss_logits")
 
 
 def _shape_hint(config: ModelConfig) -> str:

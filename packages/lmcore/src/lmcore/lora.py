@@ -64,8 +64,10 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.base(x)
-        # (..., in) -> (..., r) -> (..., out); a no-op cast unless the base is in 16 bits outside autocast
-        update = self.lora_dropout(x).to(self.lora_A.dtype) @ self.lora_A.t() @ self.lora_B.t()
+        x = self.lora_dropout(x)
+        if not torch.is_autocast_enabled(x.device.type):  # a 16-bit base outside autocast: fp32 like the adapters
+            x = x.to(self.lora_A.dtype)  # (under autocast a copy per adapter would be kept for the backward)
+        update = x @ self.lora_A.t() @ self.lora_B.t()  # (..., in) -> (..., r) -> (..., out)
         return out + (update * self.scaling).to(out.dtype)
 
     def merged_weight(self) -> Tensor:

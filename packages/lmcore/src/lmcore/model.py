@@ -63,8 +63,41 @@ def _ids_message(vocab_size: int) -> str:
 
 
 class LMOutput(NamedTuple):
-    logits: Tensor  # (B, T, vocab_size)
+    logits: Tensor | None  # (B, T, vocab_size); None for a loss computed alone (ModelConfig.loss_logits "labelled")
     loss: Tensor | None  # mean cross-entropy over labels != -100, or None without labels
+
+
+# ModelConfig.loss_logits "labelled": rows of logits alive at once (2048 x 151,936 fp32 logits are 1.2 GB).
+LOSS_CHUNK_ROWS = 2048
+
+
+def labelled_loss(hidden: Tensor, labels: Tensor, norm: nn.Module, lm_head: nn.Module) -> Tensor:
+    """The mean cross-entropy over ``labels`` != -100 of the final ``hidden`` states (B, T, C), from the logits of
+    the labelled positions alone, LOSS_CHUNK_ROWS rows at a time, each chunk's logits recomputed in the backward pass
+    (torch.utils.checkpoint) rather than kept: what ``F.cross_entropy(lm_head(norm(hidden)), labels)`` gives (NaN
+    without a label), without the (B, T, V) logits. Selecting the rows reads their count on the host; a compiled
+    graph keeps every row instead (the unlabelled ones contribute nothing).
+
+    Example:
+        >>> norm, head = nn.LayerNorm(8), nn.Linear(8, 11, bias=False)
+        >>> h, y = torch.randn(2, 5, 8), torch.randint(0, 11, (2, 5)); y[0, :3] = -100
+        >>> whole = F.cross_entropy(head(norm(h)).flatten(0, 1), y.flatten(), ignore_index=-100)
+        >>> torch.allclose(labelled_loss(h, y, norm, head), whole)
+        True
+    """
+    hidden, labels = hidden.flatten(0, 1), labels.flatten().long()  # (N, C), (N,)
+    if not torch.compiler.is_compiling():
+        keep = labels != -100
+        hidden, labels = hidden[keep], labels[keep]
+
+    def chunk_loss(h: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(lm_head(norm(h)).float(), y, ignore_index=-100, reduction="sum")
+
+    total = hidden.sum() * 0.0  # keeps the graph when no row is labelled (the loss is then NaN, as the mean's)
+    for start in range(0, hidden.shape[0], LOSS_CHUNK_ROWS):
+        rows = slice(start, start + LOSS_CHUNK_ROWS)
+        total = total + checkpoint(chunk_loss, hidden[rows], labels[rows], use_reentrant=False)
+    return total / (labels != -100).sum()
 
 
 class KVCache:
@@ -278,7 +311,8 @@ class GPT(nn.Module):
         initialize(self, config.init)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, *, kv_cache: KVCache | None = None) -> LMOutput:
-        """Logits for every position and, with `labels`, the mean cross-entropy over labels != -100.
+        """Logits for every position and, with `labels`, the mean cross-entropy over labels != -100 (with
+        `config.loss_logits="labelled"`, the loss alone: :func:`labelled_loss`).
 
         `labels[t]` is the target of position t (the caller shifts). With `kv_cache`, `input_ids`
         continue the cached sequence and the cache is extended in place. With `config.document_separator`
@@ -310,6 +344,8 @@ class GPT(nn.Module):
                 x = checkpoint(layer, x, None, documents, rotary, use_reentrant=False)
             else:
                 x = layer(x, kv_cache, documents, rotary)
+        if labels is not None and self.config.loss_logits == "labelled":
+            return LMOutput(None, labelled_loss(x, labels, self.norm, self.lm_head))
         logits = self.lm_head(self.norm(x))  # (B, T, V)
         loss = None
         if labels is not None:

@@ -76,7 +76,8 @@ def fit_rows(config: Any, worlds: tuple[int, ...], micro_batch: int, seq_len: in
         for world in worlds:
             for checkpointing in ("off", "block"):
                 est = estimate_finetune_memory(config, method, micro_batch, seq_len, world, checkpointing,
-                                               lora_r=lora_r, lora_targets=lora_targets)  # fmt: skip
+                                               lora_r=lora_r, lora_targets=lora_targets,
+                                               loss_logits="labelled")  # fmt: skip
                 rows.append(FitRow(est, est.total <= limit))
                 if rows[-1].fits:
                     break
@@ -85,6 +86,7 @@ def fit_rows(config: Any, worlds: tuple[int, ...], micro_batch: int, seq_len: in
 
 def format_fit(rows: list[FitRow], header: list[str], gpu_memory_gib: float) -> str:
     """The table `doctor --from` prints, GiB throughout, with a verdict line per GPU count."""
+    from lmcore.model import LOSS_CHUNK_ROWS
     from lmtrain.doctor_plan import GPU_MARGIN
 
     titles = ("weights", "grads+optim", "in flight", "activations", "total")
@@ -109,7 +111,8 @@ def format_fit(rows: list[FitRow], header: list[str], gpu_memory_gib: float) -> 
         "states (16 bytes per parameter, FSDP: fp32 shards); lora: the base frozen in bf16, adapters and their "
         "AdamW states in fp32; qlora: the frozen linear layers in NF4 (0.516 bytes per weight), the rest in bf16; "
         "in flight: FSDP's gathered blocks, QLoRA's dequantized weight; activations: bf16, the fused attention "
-        "kernel of a GPU (lmcore.finetune_memory)"
+        f"kernel of a GPU, the loss from the labelled positions' logits {LOSS_CHUNK_ROWS} rows at a time as finetune "
+        "computes it (lmcore.finetune_memory)"
     )
     return "\n".join(lines)
 

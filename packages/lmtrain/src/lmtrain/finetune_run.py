@@ -311,7 +311,9 @@ def _base(request: FinetuneRequest, start: _Start, saved: RunRecord | None, seq_
 
     if saved is not None:
         return saved_base(saved, str(Path(request.out) / "run.json"), None)
-    values: dict[str, Any] = {}
+    # The loss from the logits of the labelled positions alone (lmcore.labelled_loss): the prompt's positions carry
+    # no label, and the (B, T, V) logits are the largest activation of a model with a large vocabulary.
+    values: dict[str, Any] = {"model.loss_logits": "labelled"}
     if request.batching == "pack":
         # Attention inside each packed sample: every sample ends with EOS, which closes it (lmcore.documents).
         values["model.document_separator"] = start.eos

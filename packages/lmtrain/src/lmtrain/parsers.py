@@ -17,6 +17,17 @@ METHODS = ("full", "lora", "qlora")
 ENGINES = ("torch", "fsdp", "deepspeed")
 
 
+def seed(text: str) -> int:
+    """An argparse type: a seed, a whole number in [0, 2**32) (numpy's and every other generator's range here)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to {2**32 - 1}, got {text!r}")
+    return value
+
+
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare",
@@ -350,7 +361,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="--prompts: longest answer (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="--prompts: 0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=None, help="--prompts: sample from the k likeliest tokens")
-    p.add_argument("--generation-seed", type=int, default=None, help="--prompts: seed of the sampling")
+    p.add_argument("--generation-seed", type=seed, default=None, help="--prompts: seed of the sampling")
     p.add_argument(
         "--force",
         action="store_true",
@@ -363,7 +374,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="repeat the evaluation N times per seed")
     p.add_argument(
         "--seeds",
-        type=int,
+        type=seed,
         nargs="+",
         default=None,
         help="seeds; each shifts the window grid by a seed-derived offset (protocol: mean and std over all runs)",
@@ -378,7 +389,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed, default=None)
     p.add_argument("--force", action="store_true", help="take a prompt longer than the model is meant to (see eval)")
     p.add_argument(
         "--chat",

@@ -148,7 +148,7 @@ def load_trained_model(
     for note in notes:
         if on_note is not None:
             on_note(note)
-    check_tokenizer_of(run_dir, path)
+    check_tokenizer_of(run_dir, path, run.tokenizer_sha256)
     own_config = (path / "config.json").is_file()
     try:
         config = read_config(path) if own_config else run.model()
@@ -213,23 +213,27 @@ def model_from_weights(path: Path, config: Any) -> Any:
     return model
 
 
-def check_tokenizer_of(run_dir: str | os.PathLike, checkpoint: Path) -> None:
-    """Refuse, in one line naming both hashes, a run whose tokenizer.model is not the one the checkpoint's weights
-    were trained with (recorded in the checkpoint's extra_state.json by `lmtrain train`; older checkpoints have no
-    record and pass)."""
+def check_tokenizer_of(run_dir: str | os.PathLike, checkpoint: Path, run_sha256: str | None = None) -> None:
+    """Refuse, in one line naming both hashes, a run whose tokenizer is not the one the checkpoint's weights were
+    trained with: the record in the checkpoint's extra_state.json (written by every training command), else run.json's
+    ``run_sha256``; a run with neither (older runs) passes. The tokenizer is the run's tokenizer.json (a fine-tune of a
+    Hugging Face base) or its tokenizer.model."""
     import tokbin
 
     recorded = None
     with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         recorded = json.loads((checkpoint / "extra_state.json").read_text()).get("tokenizer_sha256")
-    tokenizer = Path(run_dir) / TOKENIZER_FILE
+    recorded = recorded or run_sha256
+    base_tokenizer = Path(run_dir) / "tokenizer.json"
+    tokenizer = base_tokenizer if base_tokenizer.is_file() else Path(run_dir) / TOKENIZER_FILE
     if recorded is None or not tokenizer.is_file():
         return
     actual = tokbin.file_sha256(tokenizer)
     if actual != recorded:
+        source = "the base model's directory" if tokenizer == base_tokenizer else "the data directory it was trained on"
         raise LmtrainError(
             f"{tokenizer} (sha256 {actual}) is not the tokenizer {checkpoint.name} was trained with (sha256 "
-            f"{recorded}): restore the run's own tokenizer.model (the data directory it was trained on has it)"
+            f"{recorded}): restore the run's own {tokenizer.name} ({source} has it)"
         )
 
 

@@ -18,6 +18,7 @@ SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 ENGINES: tuple[str, ...] = get_args(EngineName)
 FSDP_CHECKPOINTS: tuple[str, ...] = get_args(FSDPCheckpoint)
+SEED_LIMIT = 2**32  # random, numpy and torch all take a seed below this; the Trainer seeds each rank modulo it
 
 
 class ConfigError(ValueError):
@@ -166,6 +167,7 @@ class TrainConfig:
             int_at_least("eval_batches", 1)
         int_at_least("keep_last", 1)
         int_at_least("seed", 0)
+        need(self.seed < SEED_LIMIT, "seed", f"must be below 2**32 ({SEED_LIMIT}), numpy's limit")
         if self.time_budget_s is not None:
             positive_float("time_budget_s")
         need(self.engine in ENGINES, "engine", f"allowed values are {', '.join(ENGINES)}")

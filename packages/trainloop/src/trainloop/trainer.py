@@ -34,7 +34,7 @@ from trainloop.checkpoint import (
     set_rng_state,
 )
 from trainloop.clipping import ClipGroups
-from trainloop.config import ConfigError, TrainConfig
+from trainloop.config import SEED_LIMIT, ConfigError, TrainConfig
 from trainloop.distributed import all_reduce_sum, barrier, broadcast_json, setup_distributed, teardown_distributed
 from trainloop.engine import Engine, StepReport, make_engine, micro_batch_divisors, scaled_loss, trainable_names
 from trainloop.evaluation import evaluate
@@ -238,7 +238,7 @@ class Trainer:
                 sys.stdout.flush()
 
     def _seed(self, offset: int = 0) -> None:
-        seed = self.config.seed + self.rank + 1_000_003 * offset
+        seed = (self.config.seed + self.rank + 1_000_003 * offset) % SEED_LIMIT  # numpy's np.random.seed bound
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
