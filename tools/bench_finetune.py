@@ -37,6 +37,61 @@ def chat_pad(sp):
     return pad_id_for(sp)
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (``ru_maxrss``), in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def time_train_steps() -> dict[str, float]:
+    """Time every trainloop ``Trainer.train_step`` of this process from now on: ``{"s": seconds summed, "rss_mib":
+    peak RSS at the end of the last step}`` (model loading and the steps, not the evaluation and save after them)."""
+    import trainloop.trainer as trainer_module
+
+    spent = {"s": 0.0, "rss_mib": 0.0}
+    original = trainer_module.Trainer.train_step
+
+    def timed(self, it):
+        t0 = time.perf_counter()
+        out = original(self, it)
+        spent["s"] += time.perf_counter() - t0
+        spent["rss_mib"] = peak_rss_mib()
+        return out
+
+    trainer_module.Trainer.train_step = timed
+    return spent
+
+
+def step_timer(spent: dict[str, float]):
+    """A transformers TrainerCallback adding each step's seconds (on_step_begin..on_step_end) to ``spent["s"]`` and
+    keeping the peak RSS at the end of the last step in ``spent["rss_mib"]``, as :func:`time_train_steps` does."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            spent["t0"] = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            spent["s"] += time.perf_counter() - spent.pop("t0")
+            spent["rss_mib"] = peak_rss_mib()
+
+    return StepTimer()
+
+
+def peft_arguments(out: Path, batch: int, steps: int, **extra):
+    """transformers.TrainingArguments with SETTINGS' schedule (warmup, cosine to min_lr), AdamW betas (0.9, 0.95), no
+    weight decay, clipping at 1.0 (lmtrain finetune's), on the CPU, no checkpoint; ``extra`` adds or replaces."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**{
+        "output_dir": str(out), "per_device_train_batch_size": batch, "max_steps": steps,
+        "learning_rate": SETTINGS["lr"], "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr": SETTINGS["min_lr"]}, "warmup_steps": SETTINGS["warmup"], "weight_decay": 0.0,
+        "adam_beta2": 0.95, "max_grad_norm": 1.0, "logging_steps": steps, "save_strategy": "no", "report_to": [],
+        "use_cpu": True, "dataloader_num_workers": 0, "seed": 0, "remove_unused_columns": False, "disable_tqdm": True,
+        **extra,
+    })  # fmt: skip
+
+
 def _mean_row_tokens(samples, seq_len, batching, eos):
     from lmtrain.chat import pack_rows
 
@@ -63,20 +118,10 @@ def _encoded(run, pairs, seq_len):
 
 def side_ours(args) -> dict:
     """lmtrain finetune (lora or qlora, pack or pad), step times summed around Trainer.train_step."""
-    import trainloop.trainer as trainer_module
     from lmtrain.finetune_demo import heldout_response_loss
     from lmtrain.finetune_run import finetune
 
-    spent = [0.0]
-    original = trainer_module.Trainer.train_step
-
-    def timed(self, it):
-        t0 = time.perf_counter()
-        out = original(self, it)
-        spent[0] += time.perf_counter() - t0
-        return out
-
-    trainer_module.Trainer.train_step = timed
+    spent = time_train_steps()
     sp, train, _ = _encoded(args.run, args.pairs, args.seq_len)
     out = Path(args.out) / f"ours-{args.method}-{args.batching}"
     settings = {"lr": SETTINGS["lr"], "min_lr": SETTINGS["min_lr"], "warmup_steps": SETTINGS["warmup"],
@@ -86,7 +131,7 @@ def side_ours(args) -> dict:
                        lora_dropout=SETTINGS["dropout"], overwrite=True, overrides=settings, quiet=True)  # fmt: skip
     tokens = args.steps * args.batch * _mean_row_tokens(train, args.seq_len, args.batching, chat_pad(sp))
     loss = heldout_response_loss(out, args.pairs, seq_len=args.seq_len, checkpoint="latest")
-    result = {"tokens_per_s": tokens / spent[0], "step_s": spent[0] / args.steps, "loss": loss["loss"],
+    result = {"tokens_per_s": tokens / spent["s"], "step_s": spent["s"] / args.steps, "loss": loss["loss"],
               "loss_se": loss.get("loss_se"), "loss_tokens": loss["tokens"], "steps": summary.step,
               "run": str(out)}  # fmt: skip
     if args.method == "qlora":
@@ -105,7 +150,7 @@ def side_peft(args) -> dict:
     """PEFT LoRA + transformers.Trainer on the MPT export of the same checkpoint, the same ids, padded per batch."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer
 
     sp, train, val = _encoded(args.run, args.pairs, args.seq_len)
     model = AutoModelForCausalLM.from_pretrained(args.hf)
@@ -125,24 +170,11 @@ def side_peft(args) -> dict:
             mask[i, : len(r["ids"])] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}  # MPT shifts the labels itself
 
-    spent = [0.0, 0.0]
-
-    class StepTimer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            spent[1] = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            spent[0] += time.perf_counter() - spent[1]
-
-    training = TrainingArguments(
-        output_dir=str(Path(args.out) / "peft"), per_device_train_batch_size=args.batch, max_steps=args.steps,
-        learning_rate=SETTINGS["lr"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr": SETTINGS["min_lr"]}, warmup_steps=SETTINGS["warmup"], weight_decay=0.0,
-        adam_beta2=0.95, max_grad_norm=1.0, logging_steps=args.steps, save_strategy="no", report_to=[],
-        use_cpu=True, dataloader_num_workers=0, seed=0, remove_unused_columns=False, disable_tqdm=True,
-    )  # fmt: skip
+    spent = {"s": 0.0}
+    training = peft_arguments(Path(args.out) / "peft", args.batch, args.steps)
     data = [{"ids": ids, "labels": labels} for ids, labels in train]
-    Trainer(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=[StepTimer()]).train()
+    timer = step_timer(spent)
+    Trainer(model=model, args=training, train_dataset=data, data_collator=collate, callbacks=[timer]).train()
     model.eval()
     total = n = 0.0
     batch_losses = []
@@ -159,7 +191,7 @@ def side_peft(args) -> dict:
     mean = sum(batch_losses) / len(batch_losses)
     se = (sum((x - mean) ** 2 for x in batch_losses) / (len(batch_losses) - 1)) ** 0.5 / len(batch_losses) ** 0.5
     tokens = args.steps * args.batch * _mean_row_tokens(train, args.seq_len, "pad", eos)
-    return {"tokens_per_s": tokens / spent[0], "step_s": spent[0] / args.steps, "loss": total / n, "loss_se": se,
+    return {"tokens_per_s": tokens / spent["s"], "step_s": spent["s"] / args.steps, "loss": total / n, "loss_se": se,
             "loss_tokens": n}  # fmt: skip
 
 
@@ -176,17 +208,22 @@ def side_scores(args) -> dict:
 
 
 def child(args, side: str, **extra) -> dict:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in extra.items()]
-    cmd = [sys.executable, __file__, "--side", side, "--run", args.run, "--pairs", args.pairs, "--out", args.out,
-           "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len), *flags]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return run_child(__file__, side, {"run": args.run, "pairs": args.pairs, "out": args.out, "steps": args.steps,
+                                      "batch": args.batch, "seq_len": args.seq_len, **extra})  # fmt: skip
+
+
+def run_child(script: str, side: str, flags: dict, env: dict | None = None) -> dict:
+    """Run ``script --side SIDE --flag=value ...`` in a fresh interpreter (its peak RSS its own) and return the JSON
+    object its last ``{``-line prints; a failed side ends the benchmark with the child's stderr."""
+    cmd = [sys.executable, script, "--side", side, *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=None if env is None else {**os.environ, **env})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{side} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1])
 
 
-def _loadavg() -> list[str]:
+def loadavg() -> list[str]:
     with open("/proc/loadavg") as f:
         return f.read().split()[:3]
 
@@ -210,7 +247,7 @@ def main() -> None:
     args = p.parse_args()
     if args.side is not None:
         result = {"ours": side_ours, "peft": side_peft, "scores": side_scores}[args.side](args)
-        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        result["peak_rss_mib"] = peak_rss_mib()
         print(json.dumps(result))
         return
     out = Path(args.out)
@@ -243,7 +280,7 @@ def main() -> None:
 
     hf = out / "hf"
     export_run(args.run, hf, fmt="hf", force=True)
-    print(f"load average at start: {_loadavg()}; settings {SETTINGS}, steps "
+    print(f"load average at start: {loadavg()}; settings {SETTINGS}, steps "
           f"{args.steps}, batch {args.batch}, seq_len {args.seq_len}", flush=True)  # fmt: skip
     # The two sides alternate, ``--repeats`` times: on a shared machine the load moves between two runs, and the
     # ratio of one pair moved from 0.71 to 1.77 between two invocations (docs/benchmarks.md); the median is kept.
@@ -279,7 +316,7 @@ def main() -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
-    print(f"load average at end: {_loadavg()}; {time.perf_counter() - t0:.0f} s; "
+    print(f"load average at end: {loadavg()}; {time.perf_counter() - t0:.0f} s; "
           f"held-out tokens {int(ours['loss_tokens'])}")  # fmt: skip
     (out / "results.json").write_text(json.dumps({"pairs": pairs, "packed": packed, "qlora": qlora,
                                                   "scores": scores}, indent=1))  # fmt: skip
