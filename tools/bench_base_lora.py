@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def bench_base(args, base: str) -> dict:
     rss = sorted(o["rss_steps_mib"] / p["rss_steps_mib"] for o, p in pairs)
     ours, peft = pairs[0]
     diff, se = ours["loss"] - peft["loss"], (ours["loss_se"] ** 2 + peft["loss_se"] ** 2) ** 0.5
-    speed_median, rss_median = speed[len(speed) // 2], rss[len(rss) // 2]
+    speed_median, rss_median = statistics.median(speed), statistics.median(rss)  # even count: mean of the middle two
 
     def met(ok: bool) -> str:
         return "met" if ok else "NOT met"
