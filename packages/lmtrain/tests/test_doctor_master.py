@@ -90,3 +90,14 @@ def test_an_installed_wheel_names_the_kit_file_inside_the_repository(tmp_path, m
     site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "lmtrain" / "shell.py"
     monkeypatch.setattr(shell, "__file__", str(site))  # no checkout around it
     assert shell.kit_file("env.sh") == "tools/cluster-3090/env.sh of the repository"
+
+
+def test_the_commands_doctor_suggests_name_the_lmtrain_the_shell_reaches(tmp_path, monkeypatch):
+    from lmtrain import shell
+    from lmtrain.doctor import check_data
+
+    monkeypatch.setattr(shell, "lmtrain_command", lambda: "/venv/bin/lmtrain")  # not on PATH: named by its path
+    [no_data] = check_data(None)
+    [missing] = check_data(str(tmp_path / "my data"))
+    assert no_data.fix == "/venv/bin/lmtrain doctor --data DATA_DIR"
+    assert missing.fix == f"/venv/bin/lmtrain prepare --out '{tmp_path / 'my data'}' ..."

@@ -16,6 +16,7 @@ import ipaddress
 import os
 import platform
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -292,20 +293,27 @@ def check_master(hosts: list[tuple[str, int]], timeout: float = 3.0) -> list[Che
         ]
 
 
+def _cmd() -> str:
+    """The `lmtrain` of a suggested command as the user's shell reaches it (lmtrain.shell.lmtrain_command)."""
+    from lmtrain.shell import lmtrain_command
+
+    return lmtrain_command()
+
+
 def check_data(data_dir: str | None) -> list[Check]:
     if not data_dir:
-        return [Check(WARN, "data", "no --data given: token files not verified", "lmtrain doctor --data DATA_DIR")]
+        return [Check(WARN, "data", "no --data given: token files not verified", f"{_cmd()} doctor --data DATA_DIR")]
     import tokbin
     from lmtrain.errors import LmtrainError
     from lmtrain.run_files import read_meta
 
     meta_path = Path(data_dir) / "meta.json"
     if not meta_path.is_file():
-        return [Check(FAIL, "data", f"{meta_path} missing", f"lmtrain prepare --out {data_dir} ...")]
+        return [Check(FAIL, "data", f"{meta_path} missing", f"{_cmd()} prepare --out {shlex.quote(data_dir)} ...")]
     try:
         meta = read_meta(data_dir)  # what `train` reads: the same checks, the same one-line reasons
     except LmtrainError as exc:
-        return [Check(FAIL, "data", str(exc).splitlines()[0], f"lmtrain prepare --out {data_dir} ...")]
+        return [Check(FAIL, "data", str(exc).splitlines()[0], f"{_cmd()} prepare --out {shlex.quote(data_dir)} ...")]
     checks = []
     for split in ("train", "val"):
         path = Path(meta[f"{split}_path"])
@@ -330,7 +338,7 @@ def check_memory(preset: str | None, gpus: list[dict], world_size: int) -> tuple
             engine: estimate_run_memory(preset, n_gpus=world_size, engine=engine) for engine in ENGINE_LAYOUTS
         }
     except (ValueError, LmtrainError) as exc:
-        return [Check(FAIL, "memory", str(exc), "lmtrain doctor --preset with a known preset")], None
+        return [Check(FAIL, "memory", str(exc), f"{_cmd()} doctor --preset with a known preset")], None
     n_params = per_engine[ENGINE_LAYOUTS[0]][0]
     need = (
         f"{preset} ({n_params / 1e6:.0f}M parameters, the preset's micro batch and accumulation) per GPU over "
