@@ -149,8 +149,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         "--from",
         dest="source",
         required=True,
-        metavar="RUN[:best|latest|STEP]",
-        help="the trained run to start from (default checkpoint: its best)",
+        metavar="RUN[:best|latest|STEP]|DIR",
+        help="the trained run to start from (default checkpoint: its best), or a Hugging Face model directory "
+        "(Llama, Qwen2, Mistral: config.json, safetensors weights, tokenizer.json and its chat template)",
     )
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="chat samples, one JSON object per line")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory of the fine-tune")
