@@ -191,6 +191,38 @@ def test_a_resumed_base_finetune_gives_the_same_losses(made, tmp_path):
     assert losses(tmp_path / "twice") == losses(tmp_path / "once")
 
 
+def test_gguf_export_of_a_base_finetune_holds_every_merged_tensor_under_llama_cpps_names(made, tmp_path):
+    gguf = pytest.importorskip("gguf", reason="the gguf extra is not installed")
+    import numpy as np
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    assert _finetune(made, run, "--max-steps", "2", "--set", "lr=1e-2") == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf"), "--merge-lora"]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "m.gguf"), "--format", "gguf",
+                 "--merge-lora", "--outtype", "f32"]) == 0  # fmt: skip
+    # Hugging Face names -> llama.cpp's (Qwen2 keeps transformers' rotary layout: no q/k permutation)
+    layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    want = {}
+    for name, tensor in load_file(str(tmp_path / "hf" / "model.safetensors")).items():
+        if name == "lm_head.weight":
+            continue  # tied: the embedding is the output projection
+        if name in top:
+            want[top[name]] = tensor.float().numpy()
+            continue
+        _, _, index, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        want[f"blk.{index}.{layer[module]}.{kind}"] = tensor.float().numpy()
+    got = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert sorted(got) == sorted(want)
+    for name, tensor in got.items():
+        assert [int(x) for x in tensor.shape] == list(reversed(want[name].shape)), name  # GGUF: fastest dim first
+        np.testing.assert_array_equal(np.asarray(tensor.data).reshape(want[name].shape), want[name], err_msg=name)
+
+
 def test_a_base_runs_tokenizer_that_is_not_the_weights_is_refused(made, tmp_path, capsys):
     run = tmp_path / "run"
     assert _finetune(made, run, "--max-steps", "1") == 0
