@@ -31,7 +31,7 @@ def kit_file(name: str) -> str:
     path inside the repository, said as such.
 
     Example:
-        >>> kit_file("env.sh").endswith("env.sh")
+        >>> "cluster-3090/env.sh" in kit_file("env.sh")  # a path from here, or the one inside the repository
         True
     """
     import os
