@@ -111,3 +111,15 @@ def test_eval_and_generate_run_with_the_threads_the_run_trained_with(data, tmp_p
     torch.set_num_threads(1)
     load_trained_model(tmp_path / "run")
     assert torch.get_num_threads() == 2 and len(timed) == 2  # cached: not timed again
+
+
+@pytest.mark.parametrize("recorded", ["onednn", "mkl"])
+def test_eval_and_generate_compute_on_the_gemm_library_the_run_trained_with(data, tmp_path, probe, recorded):
+    from lmtrain.run_files import load_trained_model
+
+    probe["onednn"] = recorded == "onednn"
+    train(data, tmp_path / "run", recipe="tiny", max_steps=1, quiet=True, overrides=STEADY)
+    assert read_run_record(tmp_path / "run").cpu_matmul == recorded
+    set_cpu_matmul_library("mkl" if recorded == "onednn" else "onednn")  # what another process would start with
+    load_trained_model(tmp_path / "run")
+    assert cpu_matmul_library() == recorded

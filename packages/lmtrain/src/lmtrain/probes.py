@@ -132,6 +132,25 @@ def set_matmul_library(
     return library, f"fp32 GEMMs on {'oneDNN' if probe.routed else 'MKL'}: {probe.reason}"
 
 
+def set_inference_matmuls(record: Any) -> str | None:
+    """Send this process's fp32 GEMMs on a CPU where the run's recorded them (``record.cpu_matmul``: "mkl" or
+    "onednn"), so that `eval` and `generate` compute as its training did; None (left as they are) for a run that
+    recorded none (trained on a GPU, or before the record).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> set_inference_matmuls(SimpleNamespace(cpu_matmul="mkl"))
+        'fp32 GEMMs on mkl, as the run trained with'
+    """
+    from lmcore.cpu_math import set_cpu_matmul_library
+    from lmtrain.run_record import MATMUL_LIBRARIES
+
+    if record.cpu_matmul not in MATMUL_LIBRARIES:
+        return None
+    set_cpu_matmul_library(record.cpu_matmul)
+    return f"fp32 GEMMs on {record.cpu_matmul}, as the run trained with"
+
+
 def set_inference_threads(model: Any, record: Any, *, cache: ProbeCache | None = None) -> str | None:
     """Set the CPU threads `eval` and `generate` run ``model`` with, and say how they were chosen (None: left as
     they are, under OMP_NUM_THREADS or in a job of several ranks). A run trained on a CPU recorded the count it

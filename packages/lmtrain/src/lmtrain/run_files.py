@@ -164,9 +164,10 @@ def load_trained_model(
     check_attention_backend(model.config, torch.device(map_location))
     model.to(device=map_location, dtype=dtype).eval()
     if set_threads and torch.device(map_location).type == "cpu":
-        from lmtrain.probes import ProbeCache, set_inference_threads
+        from lmtrain.probes import ProbeCache, set_inference_matmuls, set_inference_threads
 
         set_inference_threads(model, run, cache=ProbeCache())
+        set_inference_matmuls(run)
     return model, run, path
 
 
