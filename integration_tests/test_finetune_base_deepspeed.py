@@ -1,6 +1,7 @@
 """`lmtrain finetune --from DIR --deepspeed` (a Hugging Face base: a tiny random Qwen2 written by transformers here)
 under torchrun on 2 CPU gloo ranks with ZeRO-2, LoRA and full fine-tuning, against the same fine-tune in one process
-on the torch engine: the losses step by step and the weights that trained."""
+on the torch engine: the losses step by step and the weights that trained; the LoRA run resumed in one process
+(--verify full, the batch re-split) follows the one-process run extended alike."""
 
 from __future__ import annotations
 
@@ -29,9 +30,12 @@ FT = ["--seq-len", "64", "--max-steps", str(STEPS), "--set", "cpu_threads=1", "-
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def _finetune(base: Path, data: Path, out: Path, method: str, ranks: int, *flags: str) -> None:
+def _finetune(base: Path, data: Path, out: Path, method: str, ranks: int, *flags: str, resume: bool = False) -> str:
+    """The fine-tune on ``ranks`` ranks (one process for 1), a global batch of GLOBAL_ROWS rows; ``resume``: the
+    run's own settings, which a new micro-batch would override."""
+    rows = () if resume else ("--set", f"micro_batch={GLOBAL_ROWS // ranks}")
     lmtrain = ["-m", "lmtrain", "finetune", "--from", str(base), "--data", str(data), "--out", str(out),
-               "--method", method, *FT, "--set", f"micro_batch={GLOBAL_ROWS // ranks}", *flags]  # fmt: skip
+               "--method", method, *FT, *rows, *flags]  # fmt: skip
     if ranks > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -42,10 +46,14 @@ def _finetune(base: Path, data: Path, out: Path, method: str, ranks: int, *flags
         cmd = [sys.executable, *lmtrain]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
 
 
 def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    """The training loss of each step (a resumed run's later records win)."""
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    by_step = {r["step"]: r["loss"] for r in records if "loss" in r}
+    return [by_step[s] for s in sorted(by_step)]
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
@@ -70,6 +78,16 @@ def test_deepspeed_zero2_on_two_ranks_equals_one_process(tmp_path, method):
     assert a.keys() == b.keys()
     for name in a:  # every tensor, the trained ones and the frozen base
         torch.testing.assert_close(b[name], a[name], rtol=RTOL, atol=ATOL, msg=name)
+    assert (tmp_path / "two" / "loss.png").is_file()
     if method == "lora":
         adapters = load_file(str(tmp_path / "two" / "adapters.safetensors"))
         assert adapters and all(torch.equal(t, b[n]) for n, t in adapters.items())
+        # One process resumes the 2-rank run past its end (--verify full), its batch re-split to keep the global
+        # batch; the one-process run is extended the same way, so the two schedules stay equal.
+        more = ("--resume", "--max-steps", str(STEPS + 2), "--verify", "full", "--deepspeed", str(ds))
+        resumed = _finetune(base, data, tmp_path / "two", method, 1, *more, resume=True)
+        assert "resuming a run of 2 rank(s) on 1: grad_accum 1 -> 2" in resumed, resumed[-2000:]
+        _finetune(base, data, tmp_path / "one", method, 1, "--resume", "--max-steps", str(STEPS + 2), resume=True)
+        one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+        assert len(one) == len(two) == STEPS + 2
+        torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=RTOL, atol=0)

@@ -237,6 +237,14 @@ def test_a_base_runs_tokenizer_that_is_not_the_weights_is_refused(made, tmp_path
     assert not (tmp_path / "hf").exists()
 
 
+def test_max_steps_on_resume_moves_the_end_as_train_does(made, tmp_path):
+    run = tmp_path / "run"
+    assert _finetune(made, run, "--max-steps", "2", "--set", "log_every=1") == 0
+    assert _finetune(made, run, "--max-steps", "4", "--set", "log_every=1", "--resume") == 0
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4] and read_run_record(run).train().max_steps == 4
+
+
 def _no_tokenizer(base, tmp):
     (tmp / "b" / "tokenizer.json").unlink()
 

@@ -478,7 +478,8 @@ def _source_dir(spec: str) -> Path:
 
 
 def _request_as_saved(request: FinetuneRequest, saved: Mapping[str, Any]) -> FinetuneRequest:
-    """A resumed fine-tune keeps the settings it started with (run.json): method, adapters, batching, split."""
+    """A resumed fine-tune keeps the settings it started with (run.json): method, adapters, batching, split; a new
+    --max-steps moves its end."""
     lora = saved.get("lora") or {}
     return dataclasses.replace(
         request,
@@ -488,7 +489,8 @@ def _request_as_saved(request: FinetuneRequest, saved: Mapping[str, Any]) -> Fin
         seq_len=saved.get("seq_len", request.seq_len),
         too_long=saved.get("too_long", request.too_long),
         trainable=saved.get("trainable", request.trainable),
-        max_steps=saved.get("max_steps", request.max_steps),
+        # --max-steps on --resume moves the end, as `train --resume --max-steps` does; without it the saved end holds
+        max_steps=request.max_steps if request.max_steps is not None else saved.get("max_steps"),
         lora_r=lora.get("r", request.lora_r),
         lora_alpha=lora.get("alpha", request.lora_alpha),
         lora_dropout=lora.get("dropout", request.lora_dropout),
