@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmcore.config import ModelConfig, n_params
-from lmcore.lora import DEFAULT_TARGETS, TARGET_MODULES
+from lmcore.lora import DEFAULT_TARGETS, resolve_targets
 from lmcore.memory import block_parameters, estimate_fsdp_memory, estimate_memory
 from lmcore.model import LOSS_CHUNK_ROWS
 from lmcore.qlora import NF4_BLOCK, scaler_block_for
@@ -79,22 +79,6 @@ class FinetuneEstimate:
         return self.total <= gpu_memory_bytes
 
 
-def _targets(targets: tuple[str, ...]) -> set[str]:
-    """LoRA targets (q, k, v, o, gate, up, down, mlp, or the layer names) as lmcore.lora's layer names, as
-    apply_lora reads them."""
-    out: set[str] = set()
-    for t in targets:
-        if t == "mlp":
-            out |= {"gate_proj", "up_proj", "down_proj"}
-        elif t in TARGET_MODULES:
-            out.add(TARGET_MODULES[t])
-        elif t in TARGET_MODULES.values():
-            out.add(t)
-        else:
-            raise ValueError(f"unknown LoRA target {t!r}; choose from {sorted(TARGET_MODULES)} or 'mlp'")
-    return out
-
-
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each linear layer of one block, by lmcore's layer name.
 
@@ -121,7 +105,7 @@ def lora_parameters(config: ModelConfig, r: int, targets: tuple[str, ...] = DEFA
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA rank r must be a positive int, got {r!r}")
     shapes = linear_shapes(config)
-    return config.n_layer * sum(r * (i + o) for name, (i, o) in shapes.items() if name in _targets(targets))
+    return config.n_layer * sum(r * (i + o) for name, (i, o) in shapes.items() if name in resolve_targets(targets))
 
 
 def nf4_bytes(numel: int) -> int:
@@ -165,7 +149,7 @@ def activation_bytes_per_layer(config: ModelConfig, tokens: int, method: str,
     assert config.d_ff is not None
     h, f = config.d_model, config.d_ff
     full = method == "full"
-    trains = set(linear_shapes(config)) if full else _targets(targets)
+    trains = set(linear_shapes(config)) if full else resolve_targets(targets)
     per_token = 2 * _norm_bytes(config, full)
     per_token += BF16 * h if trains & {"q_proj", "k_proj", "v_proj"} else 0
     per_token += BF16 * h if "o_proj" in trains else 0

@@ -77,7 +77,9 @@ class LoRALinear(nn.Module):
         return (self.base.weight.to(delta.dtype) + delta).to(self.base.weight.dtype)
 
 
-def _resolve_targets(targets: Iterable[str]) -> set[str]:
+def resolve_targets(targets: Iterable[str]) -> set[str]:
+    """LoRA targets (q, k, v, o, gate, up, down, "mlp", or the layer names themselves) as the names of lmcore's
+    linear layers; an unknown one is a ValueError naming the choices."""
     names = set()
     for t in targets:
         if t == "mlp":
@@ -122,7 +124,7 @@ def apply_lora(
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
     if lora_modules(model):
         raise ValueError("model already has LoRA adapters; merge_lora() it first")
-    wanted = _resolve_targets(targets)
+    wanted = resolve_targets(targets)
     found = [
         (parent, attr)
         for parent in model.modules()

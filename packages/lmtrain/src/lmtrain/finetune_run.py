@@ -347,11 +347,13 @@ def _base(request: FinetuneRequest, start: _Start, saved: RunRecord | None, seq_
 
 
 def _lora_parameters(config: Any, request: FinetuneRequest) -> int:
-    """The adapters' parameters for ``config``: r x (in + out) for each targeted linear of each layer."""
-    d, kv, ff = config.d_model, config.n_kv_head * config.head_dim, config.d_ff
-    shapes = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, ff), "up": (d, ff), "down": (ff, d)}
-    targets = [t for name in request.lora_targets for t in (("gate", "up", "down") if name == "mlp" else (name,))]
-    return config.n_layer * request.lora_r * sum(sum(shapes[t]) for t in targets if t in shapes)
+    """The adapters' parameters for ``config`` (lmcore's count); an unknown --lora-targets name is one line."""
+    from lmcore.finetune_memory import lora_parameters
+
+    try:
+        return lora_parameters(config, request.lora_r, request.lora_targets)
+    except ValueError as exc:
+        raise LmtrainError(f"--lora-targets {','.join(request.lora_targets)}: {exc}") from None
 
 
 def _too_short(plan: Any, samples: int, world_size: int) -> tuple[str, ...]:
