@@ -24,8 +24,7 @@ import torch
 
 from lmcore.config import ModelConfig
 from lmcore.extras import import_extra
-from lmcore.file_writes import refuse_linked
-from lmcore.gguf_mpt import DTYPES, GGUFVocab, add_vocab, check_vocab, write_tensors
+from lmcore.gguf_mpt import GGUFVocab, add_vocab, open_writer, write_tensors
 from lmcore.hf_llama import hf_mismatches
 
 if TYPE_CHECKING:
@@ -169,14 +168,7 @@ def write_gguf_llama(
     bad = gguf_llama_mismatches(config, architecture)
     if bad:
         raise ValueError(f"the model does not map onto llama.cpp's {arch}: {', '.join(bad)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    check_vocab(vocab, config.vocab_size)
-    refuse_linked(path)  # GGUFWriter opens the path itself, and would write through a link there
-    writer = gguf.GGUFWriter(path, arch)
-    if name:
-        writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer = open_writer(gguf, path, arch, vocab, config.vocab_size, dtype=dtype, name=name)
     writer.add_context_length(config.context_length)
     writer.add_embedding_length(config.d_model)
     writer.add_block_count(config.n_layer)

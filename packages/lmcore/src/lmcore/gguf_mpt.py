@@ -143,6 +143,21 @@ def short_write_error(exc: OSError, path: Path) -> OSError:
     return OSError(errno.ENOSPC, f"No space left on device ({exc})", str(path))
 
 
+def open_writer(gguf: Any, path: str | os.PathLike[str], arch: str, vocab: GGUFVocab, vocab_size: int, *,
+                dtype: str, name: str | None) -> Any:  # fmt: skip
+    """A gguf.GGUFWriter of llama.cpp's ``arch`` at ``path`` with its name and file type, after the checks every GGUF
+    export makes first: ``dtype`` "f32" or "f16", a vocabulary of ``vocab_size`` entries, no link at ``path``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    check_vocab(vocab, vocab_size)
+    refuse_linked(path)  # GGUFWriter opens the path itself, and would write through a link there
+    writer = gguf.GGUFWriter(path, arch)
+    if name:
+        writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    return writer
+
+
 def write_gguf(
     model: GPT,
     path: str | os.PathLike,
@@ -171,14 +186,7 @@ def write_gguf(
     bad = gguf_mismatches(config)
     if bad:
         raise ValueError(f"the model does not map onto llama.cpp's MPT: {', '.join(bad)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    check_vocab(vocab, config.vocab_size)
-    refuse_linked(path)  # GGUFWriter opens the path itself, and would write through a link there
-    writer = gguf.GGUFWriter(path, ARCH)
-    if name:
-        writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_F16)
+    writer = open_writer(gguf, path, ARCH, vocab, config.vocab_size, dtype=dtype, name=name)
     writer.add_context_length(context_length)
     writer.add_embedding_length(config.d_model)
     writer.add_block_count(config.n_layer)
