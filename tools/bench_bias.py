@@ -30,7 +30,7 @@ def train_and_eval(
 ) -> tuple[float, float]:
     """(validation loss in nats per token, training tokens/s) of one run."""
     train, _ = lmtrain(
-        "train", "--data", data, "--out", run, "--preset", preset, "--max-steps", str(steps),
+        "train", "--json", "--data", data, "--out", run, "--preset", preset, "--max-steps", str(steps),
         "--set", f"bias={str(bias).lower()}", "--set", f"seed={seed}", "--set", f"save_every={steps}",
         "--set", "eval_every=0",
     )  # fmt: skip

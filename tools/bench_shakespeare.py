@@ -98,7 +98,7 @@ def main() -> int:
     cpu0, rss_prepare = children_usage()
     run = work / "run"
     train, train_s = lmtrain(
-        "train", "--data", str(work / "data"), "--out", str(run), "--preset", "cpu-small",
+        "train", "--json", "--data", str(work / "data"), "--out", str(run), "--preset", "cpu-small",
         "--time-budget", str(args.time_budget), *(a for kv in args.set for a in ("--set", kv)),
     )  # fmt: skip
     cpu1, rss_after_train = children_usage()

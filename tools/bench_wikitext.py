@@ -81,7 +81,7 @@ def run_lmtrain(paths: dict[str, Path], work: Path, budget: float) -> dict:
     data, run = work / "data", work / "run"
     lmtrain("prepare", "--text", str(paths["train"]), "--val-text", str(paths["val"]), "--out", str(data))
     t0 = time.perf_counter()
-    train = lmtrain("train", "--data", str(data), "--out", str(run), "--time-budget", str(budget))
+    train = lmtrain("train", "--data", str(data), "--out", str(run), "--time-budget", str(budget), "--json")
     wall = time.perf_counter() - t0
     summary = json.loads(train.stdout.strip().splitlines()[-1])["summary"]
     ev, closed = (

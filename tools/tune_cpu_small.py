@@ -78,7 +78,7 @@ def main() -> int:
         run = work / f"run{index}"
         cpu0, _ = children_usage()
         train, _ = lmtrain(
-            "train", "--data", str(work / "data"), "--out", str(run), "--preset", "cpu-small",
+            "train", "--json", "--data", str(work / "data"), "--out", str(run), "--preset", "cpu-small",
             "--max-steps", str(steps), "--set", f"d_model={width}", "--set", f"d_ff={4 * width}",
             "--set", f"n_layer={layers}", "--set", f"context_length={context}", "--set", f"micro_batch={batch}",
             "--set", f"lr={lr}", "--set", f"min_lr={lr / 10}", "--set", "schedule=cosine",

@@ -123,7 +123,7 @@ def train_and_score(row: dict[str, float], steps: int, data: Path, val: Path, va
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     width = row["width"]
     out = lmtrain(
-        "train", "--data", str(data), "--out", str(run), "--preset", "cpu-small", "--max-steps", str(steps),
+        "train", "--json", "--data", str(data), "--out", str(run), "--preset", "cpu-small", "--max-steps", str(steps),
         "--overwrite", "--set", "cpu_threads=1", "--set", "schedule=wsd", "--set", f"warmup_steps={WARMUP_STEPS}",
         "--set", f"wsd_decay_steps={int(DECAY_FRACTION * steps)}", "--set", f"eval_every={steps // EVALS_PER_RUN}",
         "--set", "log_every=10", "--set", f"dropout={row['dropout']}", "--set", f"weight_decay={row['weight_decay']}",

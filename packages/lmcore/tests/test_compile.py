@@ -113,13 +113,14 @@ def test_compile_model_rejects_what_is_not_a_module():
         compile_model(lambda x: x)
 
 
-# Document attention (config.document_separator) is not one graph yet: lmcore.documents.document_boundaries counts
-# the documents with nonzero() and reads the longest with int(), and alibi_kernels' varlen checks read the offsets
-# with cu_seqlens.tolist(); each is a host read, so dynamo breaks the graph there and fullgraph=True refuses.
+# Document attention on the Triton path is not one graph yet: lmcore.documents.document_boundaries counts the
+# documents with nonzero() and reads the longest with int() for alibi_attention_varlen; each is a host read, so
+# dynamo breaks the graph there and fullgraph=True refuses. The torch path masks the keys before each query's
+# document from document_starts (tensor ops alone) and is one graph.
 DOCUMENT_BREAKS = pytest.mark.xfail(
     strict=True,
     raises=(torch._dynamo.exc.UserError, torch._dynamo.exc.Unsupported),
-    reason="document attention reads the document offsets on the host",
+    reason="document attention on the Triton path reads the document offsets on the host",
 )
 DOCUMENT_IDS = IDS.clone()
 DOCUMENT_IDS[0, 5], DOCUMENT_IDS[1, 9] = 3, 3  # two rows, each cut into two documents by the separator 3
@@ -134,10 +135,31 @@ def _one_graph(model: GPT, ids: torch.Tensor) -> None:
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
 
 
-@pytest.mark.parametrize("documents", [False, pytest.param(True, marks=DOCUMENT_BREAKS)], ids=["dense", "documents"])
-def test_the_torch_attention_path_is_one_graph(documents):
-    model = tiny(**({"document_separator": 3} if documents else {})).train()
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"document_separator": 3}, {"document_separator": 3, "position": "rope"}],
+    ids=["dense", "documents", "documents-rope"],
+)
+def test_the_torch_attention_path_is_one_graph(extra):
+    model = tiny(**extra).train()
     _one_graph(model, DOCUMENT_IDS)
+
+
+def test_compiled_document_attention_trains_as_the_eager_model():
+    """aot_eager traces the forward and the backward into graphs: the loss and every gradient equal eager's."""
+    torch.manual_seed(0)
+    eager = tiny(document_separator=3, dropout=0.0).train()
+    compiled = tiny(document_separator=3, dropout=0.0).train()
+    compiled.load_state_dict(eager.state_dict())
+    losses = []
+    for model in (eager, torch.compile(compiled, backend="aot_eager", fullgraph=True)):
+        loss = model(DOCUMENT_IDS, DOCUMENT_IDS).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # The Triton path cannot be traced on the CPU: under TRITON_INTERPRET the kernels are Python run on torch tensors,

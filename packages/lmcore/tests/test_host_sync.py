@@ -9,7 +9,8 @@ dispatcher, are patched to record too. `GPT.forward` is steered onto its CUDA br
 that picks the branch from the device, and the attention core, which on CUDA is alibi-kernels' Triton kernel (no
 host read on its padded path), is replaced by an SDPA stand-in with the bias built on the device, checked against
 the real one. The first test shows the recorder catching each kind of host read, the check `GPT.forward` made
-before among them. The document-attention path is left out: its `max_seqlen` is one documented host read.
+before among them. Document attention on the torch path is checked too; on the Triton path its varlen offsets
+cost one documented host read per forward.
 """
 
 import contextlib
@@ -81,8 +82,9 @@ def host_reads(monkeypatch):
             yield mode.reads
 
 
-def device_alibi_attention(q, k, v, slopes, *, causal=True, backend="auto"):
+def device_alibi_attention(q, k, v, slopes, *, causal=True, backend="auto", document_starts=None):
     """ALiBi attention with the bias built on the inputs' device: the stand-in for the Triton kernel."""
+    assert document_starts is None  # a model with documents takes varlen on the Triton path
     tq, tk = q.shape[2], k.shape[2]
     distance = torch.arange(tk - tq, tk)[:, None] - torch.arange(tk)[None, :]  # (Tq, Tk): query pos - key pos
     bias = -slopes[:, None, None] * distance  # (H, Tq, Tk)
@@ -216,3 +218,16 @@ def test_the_torch_path_reads_the_slopes_once_then_never(monkeypatch, cuda_ids_b
     clear_bias_cache()
     torch.testing.assert_close(model(IDS).logits, changed)
     assert not torch.allclose(changed, expected)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(position="rope", n_kv_head=2, checkpointing="block")])
+def test_document_attention_on_the_torch_path_makes_no_host_read(monkeypatch, cuda_ids_branch, overrides):
+    """The torch path takes the documents as starts (B, T): masks built on the device, no offsets read."""
+    model = tiny(document_separator=3, **overrides)
+    ids = IDS.clone()
+    ids[:, 4] = 3  # every row cut into two documents
+    model(ids, ids).loss.backward()  # the first call reads each layer's slopes (the test above)
+    model.zero_grad()
+    with host_reads(monkeypatch) as reads:
+        model(ids, ids).loss.backward()
+    assert reads == []

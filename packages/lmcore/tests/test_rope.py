@@ -8,6 +8,7 @@ import torch
 import lmcore
 from alibi_kernels import alibi_attention
 from lmcore import GPT, KVCache, ModelConfig, generate, n_params
+from lmcore.model import Packed
 from lmcore.rope import apply_rope, inv_freq, positions_in_documents, rotary_cos_sin
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -153,7 +154,7 @@ def test_packed_documents_rotate_each_from_position_0():
     dynamic NTK's length, the longest document's, as transformers takes it from packed position_ids)."""
     model = tiny(document_separator=SEP)
     row = torch.tensor([[5, 6, SEP, 7, 8, 9, SEP, 4]])
-    documents = lmcore.document_boundaries(row, SEP)
+    documents = Packed(lmcore.document_starts(row, SEP), None)
     cos, sin = model._rotary(row, None, documents, torch.float32)  # (1, 8, D)
     starts = [0, 3, 7]
     assert torch.equal(cos[0, starts], torch.ones(3, 16)) and torch.equal(sin[0, starts], torch.zeros(3, 16))
@@ -192,3 +193,14 @@ def test_checkpointing_with_rope_gives_the_same_gradients():
     ckpt(ids, ids).loss.backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_dynamic_scaling_of_packed_documents_takes_the_longest_document():
+    """transformers takes dynamic NTK's length from packed position_ids: max(position) + 1, the longest document."""
+    model = tiny(document_separator=SEP, rope_scaling="dynamic", rope_factor=2.0, context_length=8)
+    row = torch.tensor([[5] * 11 + [SEP] + [6, 7, SEP] + [8] * 9])  # documents of 12, 3 and 9 tokens, T = 24
+    positions = positions_in_documents(row, SEP)
+    cos, sin = model._rotary(row, None, Packed(lmcore.document_starts(row, SEP), None), torch.float32)
+    for got, want in zip((cos, sin), rotary_cos_sin(model.config, positions, 12, torch.float32), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(cos, rotary_cos_sin(model.config, positions, 24, torch.float32)[0])

@@ -127,3 +127,20 @@ def test_run_keeps_the_separator_for_eval_and_generate(prepared, tmp_path, capsy
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     new = ids[len(encode(sp, prompt)) + 1 :]
     assert text_out == prompt + decode(sp, new[: new.index(eos)] if eos in new else new)
+
+
+def test_a_compiled_document_attention_run_trains_as_the_eager_one(prepared, tmp_path):
+    """`--compile` (fullgraph: a graph break is an error) with `--document-attention`: the same losses as eager."""
+
+    def losses(name, *extra):
+        run = tmp_path / name
+        args = ["train", "--data", str(prepared / "data"), "--out", str(run), "--preset", "tiny",
+                "--document-attention", "--max-steps", "3", "--set", "cpu_threads=1", "--set", "log_every=1",
+                "--set", "dropout=0", *extra]  # fmt: skip
+        assert main(args) == 0
+        records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [r["loss"] for r in records if "loss" in r and "step" in r]
+
+    eager = losses("eager")
+    assert len(eager) == 3
+    assert losses("compiled", "--compile") == pytest.approx(eager, rel=1e-5)

@@ -1,7 +1,7 @@
 """Fused causal attention with ALiBi positions: Triton kernels (forward and backward) and a plain-PyTorch path.
 
-Padded batches (B, H, T, D) go through `alibi_attention`; packed documents (total, H, D) with flash-attn-style
-`cu_seqlens` through `alibi_attention_varlen`.
+Padded batches (B, H, T, D) go through `alibi_attention` (rows of packed documents too, with `document_starts`);
+packed documents (total, H, D) with flash-attn-style `cu_seqlens` through `alibi_attention_varlen`.
 
 Example:
     >>> import torch
@@ -18,7 +18,13 @@ Example:
     TileConfig(block_m=16, block_n=64, num_warps=8, num_stages=2)
 """
 
-from alibi_kernels.attention import BACKENDS, alibi_attention, alibi_attention_varlen, triton_unavailable_reason
+from alibi_kernels.attention import (
+    BACKENDS,
+    alibi_attention,
+    alibi_attention_varlen,
+    resolve_backend,
+    triton_unavailable_reason,
+)
 from alibi_kernels.attention_torch import alibi_attention_torch, bias_cache_info, clear_bias_cache
 from alibi_kernels.launch_configs import GPU_TARGETS, LaunchConfigError, TileConfig, candidate_configs, launch_configs
 from alibi_kernels.reference import alibi_attention_reference, alibi_attention_varlen_reference, alibi_bias
@@ -43,5 +49,6 @@ __all__ = [
     "candidate_configs",
     "clear_bias_cache",
     "launch_configs",
+    "resolve_backend",
     "triton_unavailable_reason",
 ]

@@ -8,9 +8,9 @@ import os
 import torch
 
 from alibi_kernels.attention_torch import torch_attention_checked, torch_varlen_checked
-from alibi_kernels.validation import check_attention_inputs, check_varlen_inputs
+from alibi_kernels.validation import check_attention_inputs, check_document_starts, check_varlen_inputs
 
-__all__ = ["alibi_attention", "alibi_attention_varlen", "BACKENDS", "triton_unavailable_reason"]
+__all__ = ["alibi_attention", "alibi_attention_varlen", "BACKENDS", "resolve_backend", "triton_unavailable_reason"]
 
 BACKENDS = ("auto", "triton", "torch")
 # Looked up once: importlib's finder is not something torch.compile traces (torch 2.11 breaks the graph on it), and
@@ -54,6 +54,7 @@ def alibi_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with ALiBi positions: softmax(q k^T * scale - slope_h * (pos_i - pos_j)) v.
 
@@ -65,6 +66,13 @@ def alibi_attention(
     "torch" (SDPA with a cached additive bias), "auto" (Triton on CUDA, else torch). Output: (B, Hq, Tq, D),
     q's dtype.
 
+    `document_starts` (B, T) integers, for causal self-attention over rows of packed documents: query i of row b
+    sees the keys j with document_starts[b, i] <= j <= i (the first token of its document up to itself), and
+    ALiBi's distance i - j is the distance inside the document, so each document is attended as if alone. Its
+    values are trusted (a start past its query is taken as the query itself). On the torch path it is one SDPA
+    call over the batch with no host read, which a compiled graph keeps whole; on the Triton path the rows are
+    repacked for `alibi_attention_varlen`, which reads the document offsets on the host.
+
     Example:
         >>> q = torch.randn(1, 4, 10, 32); k = v = torch.randn(1, 1, 10, 32)
         >>> alibi_attention(q, k, v).shape
@@ -72,11 +80,35 @@ def alibi_attention(
     """
     _check_backend_name(backend)
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
-    if _resolve_backend(backend, q.device) == "torch":
-        return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
-    from alibi_kernels.attention_triton import triton_attention_checked
+    if document_starts is not None:
+        check_document_starts(document_starts, shape, slopes_2d, causal, q.device)
+    if resolve_backend(backend, q.device) == "torch":
+        return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal, document_starts)
+    from alibi_kernels.attention_triton import triton_attention_checked, triton_varlen_checked
 
-    return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
+    if document_starts is None:
+        return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
+    b, hq, t, d = q.shape
+    qp, kp, vp = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B * T, H, D), row after row
+    cu_seqlens, max_seqlen = starts_to_offsets(document_starts)
+    out = triton_varlen_checked(qp, kp, vp, cu_seqlens, max_seqlen, slopes_2d, scale, causal)
+    return out.reshape(b, t, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+
+
+def starts_to_offsets(document_starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows' documents as varlen offsets: (cu_seqlens int32 over the flattened B * T tokens, max_seqlen). One
+    device-to-host copy (the number of documents and the longest).
+
+    Example:
+        >>> starts_to_offsets(torch.tensor([[0, 0, 2, 2], [0, 1, 1, 3]]))
+        (tensor([0, 2, 4, 5, 7, 8], dtype=torch.int32), 2)
+    """
+    b, t = document_starts.shape
+    index = torch.arange(t, device=document_starts.device)
+    begins = (torch.minimum(document_starts, index) == index).flatten()  # a token whose document starts at itself
+    begins[::t] = True  # every row starts a document
+    offsets = torch.cat([begins.nonzero().squeeze(1), begins.new_tensor([b * t], dtype=torch.long)])
+    return offsets.to(torch.int32), int(torch.diff(offsets).max())
 
 
 def alibi_attention_varlen(
@@ -110,7 +142,7 @@ def alibi_attention_varlen(
         torch.Size([30, 4, 32])
     """
     _check_backend_name(backend)
-    on_triton = isinstance(q, torch.Tensor) and _resolve_backend(backend, q.device) == "triton"
+    on_triton = isinstance(q, torch.Tensor) and resolve_backend(backend, q.device) == "triton"
     read_offsets = max_seqlen is None or not on_triton
     shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu_seqlens, max_seqlen, slopes, softmax_scale, read_offsets)
     if not on_triton:
@@ -125,8 +157,14 @@ def _check_backend_name(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    """ "torch" or "triton" for a checked call; RuntimeError saying why when "triton" was asked for and cannot run."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend a call with `backend` ("auto", "triton" or "torch") runs on `device`: "torch" or "triton";
+    RuntimeError saying why when "triton" was asked for and cannot run.
+
+    Example:
+        >>> resolve_backend("auto", torch.device("cpu"))
+        'torch'
+    """
     if backend == "auto":
         use_triton = device.type == "cuda" and triton_unavailable_reason(device) is None
         return "triton" if use_triton else "torch"

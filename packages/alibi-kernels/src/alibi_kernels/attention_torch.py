@@ -3,7 +3,9 @@
 GQA/MQA never copies k/v: the Hq = Hkv * G query heads are folded into the query axis,
 q (B, Hq, Tq, D) -> (B, Hkv, G * Tq, D), so each k/v head is attended by its G query heads in one SDPA call
 (works on every torch version and every SDPA backend, unlike `enable_gqa`, which needs torch >= 2.5).
-Packed documents (`cu_seqlens`) loop over the documents, each a (1, H, T_doc, D) view of the packed tensors.
+Packed documents (`cu_seqlens`) loop over the documents, each a (1, H, T_doc, D) view of the packed tensors;
+documents given as `document_starts` (B, T) stay in the batch layout, one SDPA call whose bias masks the keys
+before each query's document, with no host read (what a compiled graph needs).
 
 No host read per call: the bias cache is keyed by the slopes' values, read once per slopes tensor and version
 (an identity key: storage, layout, version counter), so equal slopes (every layer of a model) share one bias and
@@ -22,7 +24,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from alibi_kernels.validation import AttentionShape, VarlenShape, check_attention_inputs
+from alibi_kernels.validation import AttentionShape, VarlenShape, check_attention_inputs, check_document_starts
 
 __all__ = [
     "alibi_attention_torch",
@@ -197,6 +199,22 @@ def _bias_block(
     return bias.to(dtype)
 
 
+def _hide_other_documents(
+    bias: torch.Tensor, document_starts: torch.Tensor, row0: int, n_rows: int, n_keys: int
+) -> torch.Tensor:
+    """The grouped bias (1, Hkv, G*R, K) of query rows row0.. with -inf on the keys before each row's document:
+    (B, Hkv, G*R, K). Built from tensor ops alone (no host read), so a compiled graph keeps it."""
+    s, kv_heads, grouped_rows, k = bias.shape
+    device = bias.device
+    rows = torch.arange(row0, row0 + n_rows, device=device)
+    # A start past its own query would hide every key (a NaN row): clamp, as no document starts after its tokens.
+    starts = torch.minimum(document_starts[:, row0 : row0 + n_rows].to(rows.dtype), rows)  # (B, R)
+    hidden = torch.arange(n_keys, device=device)[None, None, :] < starts[:, :, None]  # (B, R, K)
+    per_group = bias.view(s, kv_heads, grouped_rows // n_rows, n_rows, k)  # (1, Hkv, G, R, K)
+    masked = per_group.masked_fill(hidden[:, None, None], float("-inf"))  # (B, Hkv, G, R, K)
+    return masked.reshape(document_starts.shape[0], kv_heads, grouped_rows, k)
+
+
 def _grouped(bias: torch.Tensor, kv_heads: int) -> torch.Tensor:
     # (S, Hq, R, K) -> (S, Hkv, G * R, K): query head h = hkv * G + g, matching the folded q layout.
     s, hq, r, k = bias.shape
@@ -232,6 +250,7 @@ def alibi_attention_torch(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ALiBi attention on the torch path (any device). Same contract as `alibi_attention(..., backend="torch")`.
 
@@ -241,7 +260,9 @@ def alibi_attention_torch(
         torch.Size([2, 4, 8, 16])
     """
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
-    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
+    if document_starts is not None:
+        check_document_starts(document_starts, shape, slopes_2d, causal, q.device)
+    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal, document_starts)
 
 
 def torch_attention_checked(
@@ -252,14 +273,17 @@ def torch_attention_checked(
     slopes_2d: torch.Tensor,
     scale: float,
     causal: bool,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
+    """The torch path on inputs `check_attention_inputs` already validated (the dispatcher checks once); with
+    `document_starts` (B, T), checked by `check_document_starts`, keys before each query's document are masked."""
     dtype = _compute_dtype(q)
     qc, kc, vc = (t.to(dtype) for t in (q, k, v))
     n_slope_rows = slopes_2d.shape[0]
     tq, tk, off = shape.q_len, shape.k_len, shape.offset
+    mask_rows = n_slope_rows if document_starts is None else shape.batch  # documents give every row its own mask
 
-    if n_slope_rows * shape.q_heads * tq * tk <= MAX_BIAS_ELEMENTS:
+    if mask_rows * shape.q_heads * tq * tk <= MAX_BIAS_ELEMENTS:
 
         def build() -> torch.Tensor:
             return _grouped(_bias_block(slopes_2d, off, tq, tk, causal, dtype), shape.kv_heads)
@@ -271,15 +295,19 @@ def torch_attention_checked(
         else:
             key = (tq, tk, shape.kv_heads, causal, dtype, str(q.device), slopes_2d.shape, _SLOPE_VALUES.get(slopes_2d))
             bias = _CACHE.get(key, build)
+        if document_starts is not None:
+            bias = _hide_other_documents(bias, document_starts, 0, tq, tk)
         return _attend(qc, kc, vc, bias, shape, scale).to(q.dtype)
 
     # Long sequences: query chunks, each against only the keys it can see (causal) with its own small bias.
-    rows = max(1, MAX_BIAS_ELEMENTS // (n_slope_rows * shape.q_heads * tk))
+    rows = max(1, MAX_BIAS_ELEMENTS // (mask_rows * shape.q_heads * tk))
     outs = []
     for start in range(0, tq, rows):
         stop = min(tq, start + rows)
         n_keys = min(tk, stop + off) if causal else tk
         bias = _grouped(_bias_block(slopes_2d, start + off, stop - start, n_keys, causal, dtype), shape.kv_heads)
+        if document_starts is not None:
+            bias = _hide_other_documents(bias, document_starts, start, stop - start, n_keys)
         outs.append(_attend(qc[:, :, start:stop], kc[:, :, :n_keys], vc[:, :, :n_keys], bias, shape, scale))
     return torch.cat(outs, dim=2).to(q.dtype)  # (B, Hq, Tq, D)
 

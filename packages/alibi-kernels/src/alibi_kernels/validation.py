@@ -13,6 +13,7 @@ __all__ = [
     "AttentionShape",
     "VarlenShape",
     "check_attention_inputs",
+    "check_document_starts",
     "check_varlen_inputs",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
@@ -168,6 +169,30 @@ def check_attention_inputs(
     scale = _softmax_scale(softmax_scale, d)
     shape = AttentionShape(batch=b, q_heads=hq, kv_heads=hkv, q_len=tq, k_len=tk, head_dim=d)
     return shape, slopes_2d, scale
+
+
+def check_document_starts(
+    document_starts: torch.Tensor, shape: AttentionShape, slopes_2d: torch.Tensor, causal: bool, device: torch.device
+) -> None:
+    """Validate `alibi_attention`'s `document_starts`: (B, T) integers on q's device, causal self-attention, one slope
+    row. Its values are not read (a host copy would stall the device and break a compiled graph)."""
+    expected = (shape.batch, shape.q_len)
+    if not isinstance(document_starts, torch.Tensor):
+        raise ValueError(f"document_starts must be a (B, T)={expected} integer tensor, got {type(document_starts)}")
+    if document_starts.shape != expected or document_starts.is_floating_point() or document_starts.is_complex():
+        raise ValueError(
+            f"document_starts must be a (B, T)={expected} integer tensor, got shape "
+            f"{_shape(document_starts)} and dtype {document_starts.dtype}"
+        )
+    if document_starts.device != device:
+        raise ValueError(f"document_starts must be on q's device {device}, got {document_starts.device}")
+    if not causal or shape.q_len != shape.k_len:
+        raise ValueError(
+            "document_starts needs causal self-attention (causal=True, Tq == Tk), got "
+            f"causal={causal}, Tq={shape.q_len}, Tk={shape.k_len}"
+        )
+    if slopes_2d.shape[0] != 1:
+        raise ValueError(f"document_starts needs one slope row (Hq,), got slopes of shape {_shape(slopes_2d)}")
 
 
 def check_varlen_inputs(

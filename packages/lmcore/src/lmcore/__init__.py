@@ -4,7 +4,7 @@ memory estimates, the CPU settings of a fast training step, and Llama-family Hug
 from lmcore.compiled import compile_model
 from lmcore.config import PRESETS, ModelConfig, flops_per_token, n_params
 from lmcore.cpu_math import MatmulProbe, cpu_has_native_bf16, cpu_matmul_library, route_cpu_matmuls
-from lmcore.documents import Documents, document_boundaries
+from lmcore.documents import Documents, document_boundaries, document_starts
 from lmcore.finetune_memory import FinetuneEstimate, estimate_finetune_memory
 from lmcore.generation import generate
 from lmcore.hf_export import save_hf, save_peft_adapter
@@ -50,6 +50,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "cpu_matmul_library",
     "document_boundaries",
+    "document_starts",
     "estimate_finetune_memory",
     "estimate_fsdp_memory",
     "estimate_memory",

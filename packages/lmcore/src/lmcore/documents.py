@@ -1,8 +1,10 @@
 """Packed-document boundaries: where each document of a (B, T) batch of token windows starts and ends.
 
 Pretraining windows are cut from a stream in which every document ends with a separator token (tokbin writes
-the tokenizer's EOS after each one). `document_boundaries` turns a batch into the `cu_seqlens` layout of
-`alibi_kernels.alibi_attention_varlen`, so that attention stays inside each document.
+the tokenizer's EOS after each one). `document_starts` gives each token the first token of its document, the
+batch layout `alibi_kernels.alibi_attention(document_starts=...)` takes with no host read (the torch path, and a
+compiled graph); `document_boundaries` turns a batch into the `cu_seqlens` layout of
+`alibi_kernels.alibi_attention_varlen` (the Triton path). Either way attention stays inside each document.
 """
 
 from __future__ import annotations
@@ -41,3 +43,22 @@ def document_boundaries(input_ids: Tensor, separator: int) -> Documents:
     cu_seqlens = torch.cat([stops.new_zeros(1), stops]).to(dtype)  # (n_docs + 1,)
     max_seqlen = int(torch.diff(cu_seqlens).max())
     return Documents(cu_seqlens, max_seqlen)
+
+
+def document_starts(input_ids: Tensor, separator: int) -> Tensor:
+    """(B, T) int64: the index in its row of the first token of each token's document, with the documents cut as
+    `document_boundaries` cuts them (a separator closes its document; each row starts one). Vectorised on the
+    input's device, no host read.
+
+    Example:
+        >>> document_starts(torch.tensor([[5, 2, 7, 8], [2, 3, 2, 4]]), separator=2)
+        tensor([[0, 0, 2, 2],
+                [0, 1, 1, 3]])
+    """
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be (B, T) with T >= 1, got shape {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    index = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
+    begins = torch.zeros_like(input_ids, dtype=torch.bool)
+    begins[:, 1:] = input_ids[:, :-1] == separator  # a document starts after each separator
+    return torch.where(begins, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T)

@@ -47,14 +47,20 @@ ALIBI_SHIM = '''"""alibi_kernels' public attention calls on the torch path only 
 
 from .alibi_kernels_attention_torch import torch_attention_checked, torch_varlen_checked
 from .alibi_kernels_slopes import alibi_slopes  # noqa: F401 (re-exported for lmcore_model)
-from .alibi_kernels_validation import check_attention_inputs, check_varlen_inputs
+from .alibi_kernels_validation import check_attention_inputs, check_document_starts, check_varlen_inputs
 
 BACKENDS = ("auto", "triton", "torch")
 
 
-def alibi_attention(q, k, v, slopes=None, *, causal=True, softmax_scale=None, backend="auto"):
+def resolve_backend(backend, device):
+    return "torch"
+
+
+def alibi_attention(q, k, v, slopes=None, *, causal=True, softmax_scale=None, backend="auto", document_starts=None):
     shape, slopes_2d, scale = check_attention_inputs(q, k, v, slopes, causal, softmax_scale)
-    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal)
+    if document_starts is not None:
+        check_document_starts(document_starts, shape, slopes_2d, causal, q.device)
+    return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal, document_starts)
 
 
 def alibi_attention_varlen(

@@ -18,15 +18,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_slopes
+from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_slopes, resolve_backend
 from lmcore.config import ModelConfig
 from lmcore.config import flops_per_token as config_flops_per_token
-from lmcore.documents import Documents, document_boundaries
+from lmcore.documents import Documents, document_boundaries, document_starts
 from lmcore.init_schemes import initialize
-from lmcore.rope import apply_rope, positions_in_documents, rotary_cos_sin
+from lmcore.rope import apply_rope, rotary_cos_sin
 
-# cos and sin of each token's rotary angle, (B or 1, T, head_dim) or (B * T, head_dim) for packed documents.
+# cos and sin of each token's rotary angle, (B or 1, T, head_dim).
 Rotary = tuple[Tensor, Tensor]
+
+
+class Packed(NamedTuple):
+    """The documents of one forward's (B, T) batch, found once and shared by every layer."""
+
+    starts: Tensor  # (B, T) the first token of each token's document (lmcore.documents.document_starts)
+    varlen: Documents | None  # the Triton path's packed offsets; None on the torch path, which needs only `starts`
 
 
 def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
@@ -198,15 +205,15 @@ class Attention(nn.Module):
             self.slopes = self.fixed_slopes().to(device or self.slopes.device)
         return self.slopes
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor) -> Tensor:
-        return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend)
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, starts: Tensor | None = None) -> Tensor:
+        return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend, document_starts=starts)
 
     def _attend_documents(
         self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, cu_seqlens: Tensor, max_seqlen: int
     ) -> Tensor:
         return alibi_attention_varlen(q, k, v, cu_seqlens, max_seqlen, slopes, causal=True, backend=self.backend)
 
-    def _core(self, attend, *args: Tensor | int) -> Tensor:
+    def _core(self, attend, *args: Tensor | int | None) -> Tensor:
         if self.checkpoint_core and self.training and torch.is_grad_enabled():
             # Recompute only the attention core in backward: its s^2 scores are most of the activations at long
             # context and the cheapest part of a layer to recompute.
@@ -217,7 +224,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         kv_cache: KVCache | None = None,
-        documents: Documents | None = None,
+        documents: Packed | None = None,
         rotary: Rotary | None = None,
     ) -> Tensor:
         B, T, C = x.shape
@@ -228,17 +235,20 @@ class Attention(nn.Module):
             # Rotated before the cache stores the keys: cached keys keep the angle of their own position.
             q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
         slopes = self.head_slopes(x.device)
-        if documents is not None:
+        if documents is not None and documents.varlen is not None:
             # Attention inside each packed document: the rows flattened into varlen's (B * T, H, D) layout,
             # token-major like (B, T, H, D), so no transpose either way.
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-            y = self._core(self._attend_documents, q, k, v, slopes, documents.cu_seqlens, documents.max_seqlen)
+            varlen = documents.varlen
+            y = self._core(self._attend_documents, q, k, v, slopes, varlen.cu_seqlens, varlen.max_seqlen)
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
             if kv_cache is not None:
                 # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
                 k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
-            y = self._core(self._attend, q, k, v, slopes).transpose(1, 2)  # (B, T, H, D)
+            # With documents on the torch path: the batch layout, keys before each query's document masked.
+            starts = None if documents is None else documents.starts
+            y = self._core(self._attend, q, k, v, slopes, starts).transpose(1, 2)  # (B, T, H, D)
         return self.resid_dropout(self.o_proj(y.reshape(B, T, C)))
 
 
@@ -273,7 +283,7 @@ class Block(nn.Module):
         self,
         x: Tensor,
         kv_cache: KVCache | None = None,
-        documents: Documents | None = None,
+        documents: Packed | None = None,
         rotary: Rotary | None = None,
     ) -> Tensor:
         x = x + self.self_attn(self.attn_norm(x), kv_cache, documents, rotary)
@@ -333,9 +343,13 @@ class GPT(nn.Module):
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         documents = None
-        if self.config.document_separator is not None and kv_cache is None and input_ids.shape[1] > 0:
-            # Once per forward, shared by every layer (one host sync for max_seqlen).
-            documents = document_boundaries(input_ids, self.config.document_separator)
+        separator = self.config.document_separator
+        if separator is not None and kv_cache is None and input_ids.shape[1] > 0:
+            # Once per forward, shared by every layer. The Triton path's varlen offsets cost one host sync (the
+            # number of documents, the longest); the torch path's starts none, so a compiled graph stays whole.
+            on_triton = resolve_backend(self.config.attention_backend, input_ids.device) == "triton"
+            varlen = document_boundaries(input_ids, separator) if on_triton else None
+            documents = Packed(document_starts(input_ids, separator), varlen)
         x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)
         rotary = self._rotary(input_ids, kv_cache, documents, x.dtype) if self.config.position == "rope" else None
         checkpoint_blocks = self.config.checkpointing == "block" and self.training and torch.is_grad_enabled()
@@ -353,14 +367,14 @@ class GPT(nn.Module):
         return LMOutput(logits, loss)
 
     def _rotary(
-        self, input_ids: Tensor, kv_cache: KVCache | None, documents: Documents | None, dtype: torch.dtype
+        self, input_ids: Tensor, kv_cache: KVCache | None, documents: Packed | None, dtype: torch.dtype
     ) -> Rotary:
         """cos/sin for every token, once per forward and shared by the layers; (1, T, D) or (B, T, D)."""
         B, T = input_ids.shape
         if documents is not None:
-            assert self.config.document_separator is not None  # documents exist only with a separator
-            positions = positions_in_documents(input_ids, self.config.document_separator)  # (B, T)
-            seq_len = documents.max_seqlen
+            positions = torch.arange(T, device=input_ids.device) - documents.starts  # (B, T), from 0 in each document
+            # Only "dynamic" scaling reads the length (the longest document): a host read, on that setting alone.
+            seq_len = int(positions.max()) + 1 if self.config.rope_scaling == "dynamic" else T
         else:
             start = 0 if kv_cache is None else len(kv_cache)  # read before layer 0 extends the cache
             positions = torch.arange(start, start + T, device=input_ids.device)[None]  # (1, T)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lmcore.config import ModelConfig
+from lmcore.documents import document_starts
 
 
 def _default_inv_freq(base: float | Tensor, dim: int, device: torch.device | None) -> Tensor:
@@ -74,12 +75,7 @@ def positions_in_documents(input_ids: Tensor, separator: int) -> Tensor:
         tensor([[0, 1, 0, 1],
                 [0, 0, 1, 0]])
     """
-    B, T = input_ids.shape
-    index = torch.arange(T, device=input_ids.device).expand(B, T)  # (B, T)
-    starts = torch.zeros_like(input_ids, dtype=torch.bool)
-    starts[:, 1:] = input_ids[:, :-1] == separator  # a document starts after each separator
-    start_of = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # (B, T)
-    return index - start_of
+    return torch.arange(input_ids.shape[1], device=input_ids.device) - document_starts(input_ids, separator)
 
 
 def rotary_cos_sin(config: ModelConfig, positions: Tensor, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
