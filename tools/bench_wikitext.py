@@ -77,11 +77,12 @@ def lmtrain(*args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def run_lmtrain(paths: dict[str, Path], work: Path, budget: float) -> dict:
+def run_lmtrain(paths: dict[str, Path], work: Path, budget: float, settings: list[str]) -> dict:
     data, run = work / "data", work / "run"
     lmtrain("prepare", "--text", str(paths["train"]), "--val-text", str(paths["val"]), "--out", str(data))
     t0 = time.perf_counter()
-    train = lmtrain("train", "--data", str(data), "--out", str(run), "--time-budget", str(budget), "--json")
+    overrides = [a for kv in settings for a in ("--set", kv)]
+    train = lmtrain("train", "--data", str(data), "--out", str(run), "--time-budget", str(budget), "--json", *overrides)
     wall = time.perf_counter() - t0
     summary = json.loads(train.stdout.strip().splitlines()[-1])["summary"]
     ev, closed = (
@@ -206,6 +207,7 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=260.0, help="lmtrain train --time-budget (default 260)")
     parser.add_argument("--lstm-epochs", type=int, default=2, help="epochs of the LSTM reference (default 2)")
     parser.add_argument("--skip-lstm", action="store_true", help="run only lmtrain")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to lmtrain train")
     parser.add_argument("--work", default=None, help="keep the data and run here (default: a temporary directory)")
     args = parser.parse_args()
     if not DATA.is_file():
@@ -217,7 +219,7 @@ def main() -> int:
         paths = make_splits(work)
         paths["report_closed"] = closed_vocabulary(paths["report"], paths["train"], work / "report.closed.txt")
         print(f"load average at the start (2 cores): {os.getloadavg()[0]:.1f}")
-        ours = run_lmtrain(paths, work, args.budget)
+        ours = run_lmtrain(paths, work, args.budget, args.set)
         ev, closed, summary = ours["eval"], ours["closed"], ours["summary"]
         print(f"lmtrain: {summary['step']} steps ({summary['stopped'] or 'planned end'}; best at step "
               f"{(summary.get('best') or {}).get('step')}), {summary['tokens_seen']:,} tokens, train command "

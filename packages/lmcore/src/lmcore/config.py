@@ -209,8 +209,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=97, n_layer=2, n_head=4, d_model=64, context_length=32),
     # What two CPU cores train in minutes (TinyShakespeare). The app may tune this entry.
     # Tuned by lmtrain on the TinyShakespeare benchmark (docs/benchmarks.md): at a few CPU-minutes a narrow model
-    # at a short context sees more tokens and beats a wider one.
-    "cpu-small": dict(vocab_size=2048, n_layer=4, n_head=4, d_model=128, context_length=128),
+    # at a short context sees more tokens and beats a wider one. Without biases, so that the default run exports as
+    # transformers' own MPT (no custom code); what that costs on the headline benchmarks is in docs/benchmarks.md.
+    "cpu-small": dict(vocab_size=2048, n_layer=4, n_head=4, d_model=128, context_length=128, bias=False),
     "125m": dict(n_layer=12, n_head=12, d_model=768),
     "350m": dict(n_layer=24, n_head=16, d_model=1024),
     "760m": dict(n_layer=24, n_head=16, d_model=1536),
