@@ -10,8 +10,10 @@ What this needs of DeepSpeed beyond its public API is in :mod:`trainloop.deepspe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,16 @@ import torch.distributed as dist
 
 from trainloop import deepspeed_compat as compat
 from trainloop.checkpoint import CheckpointError, write_weights
-from trainloop.config import TrainConfig
+from trainloop.config import ConfigError, TrainConfig
 from trainloop.distributed import barrier, broadcast_json
 from trainloop.ds_config import ResolvedDSConfig, build_ds_config
 from trainloop.engine import NamedGrads, SteppingEngine, make_adamw, scaled_loss
 from trainloop.engine_torch import loss_of
 from trainloop.extras import import_extra
 
+# The start of DeepSpeed 0.19.8's assertion when parameters on NVMe outnumber the swap buffers
+# (deepspeed/runtime/swap_tensor/partitioned_param_swapper.py, swap_in).
+SWAP_BUFFERS_ASSERTION = "Not enough buffers"
 DS_SUBDIR = "deepspeed"
 DS_TAG = "state"
 
@@ -69,15 +74,34 @@ class DeepSpeedEngine(SteppingEngine):
     def backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, sync: bool, divisor: float) -> torch.Tensor:
         # engine.backward divides by gradient_accumulation_steps itself (the divisor of equal micro-batches), and
         # DeepSpeed reduces the gradients at its own accumulation boundary, which ``sync`` marks.
-        loss = loss_of(self.engine(inputs, targets))
-        accum = self.config.grad_accum
-        self.engine.backward(loss if divisor == accum else scaled_loss(loss, divisor / accum))
-        if not sync:
-            self.engine.step()  # only advances DeepSpeed's micro-step counter off the boundary
+        with self._swap_buffers_named():
+            loss = loss_of(self.engine(inputs, targets))
+            accum = self.config.grad_accum
+            self.engine.backward(loss if divisor == accum else scaled_loss(loss, divisor / accum))
+            if not sync:
+                self.engine.step()  # only advances DeepSpeed's micro-step counter off the boundary
         return loss.detach().float()
 
     def forward_eval(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_of(self.engine(inputs, targets))
+        with self._swap_buffers_named():
+            return loss_of(self.engine(inputs, targets))
+
+    @contextlib.contextmanager
+    def _swap_buffers_named(self) -> Iterator[None]:
+        """DeepSpeed's bare "Not enough buffers 0 for swapping 1" (parameters on NVMe: more partitions in flight than
+        ``offload_param.buffer_count``) as one line naming the field and the fix."""
+        try:
+            yield
+        except AssertionError as exc:
+            if not str(exc).startswith(SWAP_BUFFERS_ASSERTION):
+                raise
+            settings = self.ds_config["zero_optimization"].get("offload_param") or {}
+            raise ConfigError(
+                f"zero_optimization.offload_param.buffer_count={settings.get('buffer_count', 5)} is too few: the "
+                f"parameters a step gathers from NVMe need more swap buffers at once (DeepSpeed: {exc}); raise "
+                f"buffer_count (each buffer pins buffer_size={settings.get('buffer_size', 10**8)} elements of host "
+                "memory per rank), e.g. to 16"
+            ) from exc
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state_dict keys (tied weights under each name, persistent buffers only) with fp32 master
