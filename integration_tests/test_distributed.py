@@ -146,14 +146,11 @@ def _logs(tmp_path: Path) -> str:
 def test_two_ranks_zero3_with_parameters_and_optimizer_on_nvme_train_as_plain_zero3(prepared, tmp_path):
     """`lmtrain train --deepspeed FILE` with offload_param and offload_optimizer on NVMe, as a user's config gives
     them: the losses of plain ZeRO-3 on the same 2 ranks, with both kinds of state written to the swap directory."""
-    from trainloop.offload import aio_unavailable_reason
+    from trainloop.offload import build_aio
 
-    reason = aio_unavailable_reason()
+    reason = build_aio()  # JIT-built once here (minutes), not by both ranks at once
     if reason is not None:
         pytest.skip(f"DeepSpeed's async I/O op cannot build here: {reason} (apt-get install libaio-dev)")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    AsyncIOBuilder().load(verbose=False)  # JIT-built once here (minutes), not by both ranks at once
     swap = tmp_path / "swap"
     swap.mkdir()
     # Width 1024: every weight partition is above DeepSpeed's 1 MiB minimum for a swapped tensor. 16 buffers of 4M

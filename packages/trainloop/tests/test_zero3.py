@@ -12,7 +12,7 @@ from launch import run, tagged
 from test_deepspeed import CLIP, _close, _reference
 
 from trainloop import latest_checkpoint, load_model_weights
-from trainloop.offload import aio_unavailable_reason
+from trainloop.offload import build_aio
 
 STEPS = 30
 
@@ -63,12 +63,9 @@ def _records(run_dir):
 
 @pytest.mark.slow
 def test_nvme_offload_of_parameters_and_optimizer_trains_resumes_and_refuses_another_world_size(tmp_path):
-    reason = aio_unavailable_reason()
+    reason = build_aio()  # JIT-built once here (minutes), not by both ranks at once
     if reason is not None:
         pytest.skip(f"DeepSpeed's async I/O op cannot build here: {reason} (apt-get install libaio-dev)")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    AsyncIOBuilder().load(verbose=False)  # JIT-built once here (minutes), not by both ranks at once
     swap = tmp_path / "nvme"
     swap.mkdir()
     # Width 1024: o_proj's 1M elements give each rank a 2 MiB partition, above DeepSpeed's 1 MiB minimum for a

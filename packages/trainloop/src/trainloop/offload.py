@@ -113,3 +113,15 @@ def aio_unavailable_reason() -> str | None:
     if AsyncIOBuilder().is_compatible(verbose=False):
         return None
     return "AsyncIOBuilder().is_compatible() is False: libaio's headers and library were not found"
+
+
+def build_aio() -> str | None:
+    """Build DeepSpeed's async I/O op now (JIT, minutes the first time; cached under ``TORCH_EXTENSIONS_DIR``) and
+    return None, or return why it cannot build here (:func:`aio_unavailable_reason`). Call it once before launching
+    ranks that offload to NVMe, so that they do not all build it at once."""
+    reason = aio_unavailable_reason()
+    if reason is None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        AsyncIOBuilder().load(verbose=False)
+    return reason
