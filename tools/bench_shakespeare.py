@@ -67,15 +67,16 @@ class Prepared(NamedTuple):
     prepare_s: float
 
 
-def prepare_split(workdir: str | None, prefix: str) -> Prepared | None:
-    """nanoGPT's split of TinyShakespeare (first 90% of the characters train) in `workdir` or a new temporary
-    directory, prepared by `lmtrain prepare` with its defaults; None, saying so, when the data is absent."""
-    if not DATA.is_file():
-        print(f"skipped: {DATA} is absent (expected ../shared/data next to the repository root)")
+def prepare_split(workdir: str | None, prefix: str, data: Path = DATA) -> Prepared | None:
+    """nanoGPT's split of TinyShakespeare (or of the text `data`: first 90% of the characters train) in `workdir`
+    or a new temporary directory, prepared by `lmtrain prepare` with its defaults; None, saying so, when the data
+    is absent."""
+    if not data.is_file():
+        print(f"skipped: {data} is absent (expected ../shared/data next to the repository root)")
         return None
     work = Path(workdir or tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)
-    text = DATA.read_text(encoding="utf-8")
+    text = data.read_text(encoding="utf-8")
     cut = int(len(text) * 0.9)
     train_txt, val_txt = work / "train.txt", work / "val.txt"
     train_txt.write_text(text[:cut], encoding="utf-8")
@@ -89,9 +90,15 @@ def main() -> int:
     parser.add_argument("--time-budget", type=float, default=260.0)
     parser.add_argument("--workdir", default=None, help="keep data and run here (default: a temporary directory)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to lmtrain train")
+    parser.add_argument(
+        "--text",
+        default=str(DATA),
+        help="the text to split and train on (default TinyShakespeare; "
+        "another text checks the script, its figures are not the benchmark's)",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
-    prepared = prepare_split(args.workdir, "bench-shakespeare-")
+    prepared = prepare_split(args.workdir, "bench-shakespeare-", Path(args.text))
     if prepared is None:
         return 0
     work, val_txt, val_chars, prepare_s = prepared
