@@ -76,7 +76,7 @@ CASES = [
     ("manifest without its first shard", ["info", "{without_first}"],
      ["without_first/manifest.json: shards[0] is 'shard-00001.bin': expected 'shard-00000.bin'"]),
     ("manifest total edited", ["info", "{total_edited}"],
-     ["total_edited/manifest.json: n_tokens: the manifest says 1000, its 5 shards hold"]),
+     ["total_edited/manifest.json: n_tokens: the manifest says 1000, its ", " shards hold"]),
     ("manifest total of the wrong type", ["info", "{total_typed}"],
      ["total_typed/manifest.json: n_docs: expected the total as an int >= 0, found 'many'"]),
     ("shard checksum mismatch", ["verify", "{damaged}", "--quiet"],
@@ -142,7 +142,9 @@ def files(tmp_path_factory, lossless_model, other_model, corpus):
     paths["damaged"] = damaged.path
     whole = encode_files(lossless_model, [corpus], tmp / "whole", split_docs=True, shard_bytes=50_000, progress=False)
     manifest = json.loads((whole.path / MANIFEST).read_text())
-    assert len(manifest["shards"]) == 5  # the edits below take one out of five
+    # The edits below take out the first or the last shard; how many there are depends on the corpus, which is this
+    # Python's standard-library source (5 shards on 3.11, 7 on 3.12).
+    assert len(manifest["shards"]) >= 3
 
     def edited(name, shards, **fields):
         directory = tmp / name
