@@ -64,6 +64,8 @@ PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 # the constraints mean comes from PyTorch's index. Set LMTOOLS_TORCH_INDEX to another index, or to "" for none.
 TORCH_INDEX = os.environ.get("LMTOOLS_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 PYPI = "https://pypi.org/simple"
+# transformers 5.24+, which the hf extras pin, is released for Python 3.11 and later only (on 3.10 pip finds none).
+HF_MIN_PYTHON = (3, 11)
 
 
 def _session_python() -> str | None:
@@ -190,7 +192,7 @@ def version_ranges(session: nox.Session) -> None:
     session.run("python", "tools/check_install_docs.py")
 
 
-def _install_sets() -> dict[str, list[str]]:
+def _install_sets(version: tuple[int, int]) -> dict[str, list[str]]:
     """What the demo installs, and the union of what the test sessions install (each package with the extras its
     tests use and those of the README's install line, the test and lint tools): one requirement per directory."""
     extras = {p: set(TEST_EXTRAS.get(p, [])) for p in PACKAGES}
@@ -199,7 +201,20 @@ def _install_sets() -> dict[str, list[str]]:
         if match and match.group(1) in extras:
             extras[match.group(1)] |= set(filter(None, (match.group(2) or "").split(",")))
     tools = [*TEST_TOOLS, "tokenizers", "ruff>=0.6", "mypy>=1.10", "tomli>=1.1; python_version < '3.11'"]
-    return {"demo": _with_siblings("lmtrain", ["hf"]), "tests": [_path(p, sorted(extras[p])) for p in PACKAGES] + tools}
+    return {"demo": _demo_requirements(version), "tests": [_path(p, sorted(extras[p])) for p in PACKAGES] + tools}
+
+
+def _venv_python(session: nox.Session) -> tuple[int, int]:
+    """The (major, minor) of the session venv's interpreter."""
+    code = "import sys; print(*sys.version_info[:2])"
+    major, minor = session.run("python", "-c", code, silent=True).split()
+    return int(major), int(minor)
+
+
+def _demo_requirements(version: tuple[int, int]) -> list[str]:
+    """lmtrain with the hf extra, so that the `lmtrain export` the demo prints next works as printed; without it where
+    the extra cannot install (Python 3.10)."""
+    return _with_siblings("lmtrain", ["hf"] if version >= HF_MIN_PYTHON else None)
 
 
 def _local_torch_wheels(session: nox.Session, into: Path) -> list[str]:
@@ -245,7 +260,7 @@ def resolve(session: nox.Session) -> None:
         source = ["--find-links", str(standin)]
     env = {"PIP_CONFIG_FILE": os.devnull}  # pip reads it even under --isolated, which skips only the user's files
     session.chdir(ROOT)
-    for name, requirements in _install_sets().items():
+    for name, requirements in _install_sets(_venv_python(session)).items():
         report = Path(session.create_tmp()) / f"resolve-{name}.json"
         session.run("python", "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
                     "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report), *requirements,
@@ -308,9 +323,14 @@ def integration(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU. The hf extra comes with it, so
-    that the `lmtrain export` the demo prints next works as printed."""
+    that the `lmtrain export` the demo prints next works as printed; on Python 3.10, where it cannot install, the demo
+    runs without it."""
     _torch_index(session)
-    session.install(*_with_siblings("lmtrain", ["hf"]))
+    version = _venv_python(session)
+    if version < HF_MIN_PYTHON:
+        session.log(f"Python {version[0]}.{version[1]}: without the hf extra (transformers 5.24+ needs Python 3.11); "
+                    "the demo runs, and its export loads in transformers from Python 3.11")  # fmt: skip
+    session.install(*_demo_requirements(version))
     session.run("lmtrain", "demo", *session.posargs)
     session.log(f"lmtrain is in {Path(session.bin) / 'lmtrain'} (source {Path(session.bin) / 'activate'} to put it on "
                 "PATH); `nox -s clean` removes this and every other nox venv")  # fmt: skip
