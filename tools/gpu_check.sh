@@ -24,8 +24,9 @@
 #                             and forward+backward, each beside its max error vs float64 (output and gradients)
 #   gpumon         45 /   60  tools/check_gpumon_nvml.py --load (needs pynvml from nvidia-ml-py; 32.6 s on the H200
 #                             host, its 25 s limit killed it the first time)
-#   gpu-tests      45 /  120  the gpu-marked tests of lmcore, tokbin and gpumon (one pytest per package); lmcore's
-#                             include tracing the model with fullgraph=True on the Triton path (about 7 s there)
+#   gpu-tests      45 /  120  the gpu- and triton-marked tests of lmcore, tokbin and gpumon (one pytest per package);
+#                             lmcore's include tracing the model with fullgraph=True on the Triton path, dense and
+#                             with documents (about 7 s there before the Triton path became custom operators)
 #   train          60 /  360  lmtrain prepare (400 files of this Python's standard library) then lmtrain train,
 #                             preset 125m, bf16, Triton attention, 20 / 200 steps (needs sentencepiece)
 #   summary        10 /   10  OUT_DIR/summary.md for docs/benchmarks.md
@@ -138,7 +139,7 @@ part kernel-tests "${LIMITS[1]}" "torch triton pytest numpy" env ALIBI_KERNELS_A
 part kernel-bench "${LIMITS[2]}" "torch triton" "$PY" packages/alibi-kernels/benchmarks/bench_attention.py "${BENCH[@]}"
 part gpumon "${LIMITS[3]}" "torch pynvml psutil" "$PY" tools/check_gpumon_nvml.py --load --seconds 2
 # One pytest per package: each reads its own pytest settings, and test file names repeat across packages.
-GPU_TESTS='rc=0; for p in lmcore tokbin gpumon; do (cd "packages/$p" && "$0" -m pytest tests -q -m gpu -rfE \
+GPU_TESTS='rc=0; for p in lmcore tokbin gpumon; do (cd "packages/$p" && "$0" -m pytest tests -q -m "gpu or triton" -rfE \
   -p no:cacheprovider) || rc=1; done; exit $rc'
 part gpu-tests "${LIMITS[4]}" "torch pytest numpy sentencepiece prefetch_generator pynvml psutil" \
   env ALIBI_KERNELS_AUTOTUNE=0 bash -c "$GPU_TESTS" "$PY"

@@ -1,6 +1,6 @@
 """`alibi_attention(..., document_starts=...)`: rows of packed documents in the batch layout, against the float64
-per-document reference of the same tokens packed for varlen; the torch path with no host read (one compiled
-graph), the Triton path through varlen under the interpreter.
+per-document reference of the same tokens packed for varlen; the torch path with no host read, the Triton path
+through varlen under the interpreter; both one compiled graph.
 
 Rows of 48 tokens: [5, 11, 32] (a tail crossing the interpreter's 32-row tile), [48] (one document), [1, 1, 46]
 (one-token documents).
@@ -65,17 +65,34 @@ def test_triton_path_repacks_for_varlen(hq):
     check("triton", hq, 2, slopes_grad=False)
 
 
-def test_the_torch_path_is_one_graph_with_the_documents():
-    q, k, v, _, slopes, _ = make_packed([n for r in ROWS for n in r], 2, 2, 16)
-    starts = starts_of(ROWS)
+BACKENDS = ["torch", pytest.param("triton", marks=NEEDS_INTERPRETER)]
 
-    def attend(q, k, v, starts):
-        return alibi_attention(q, k, v, slopes, backend="torch", document_starts=starts)
 
-    args = (*map(batched, (q, k, v)), starts)
-    compiled = torch.compile(attend, backend="eager", fullgraph=True)(*args)  # any graph break is an error
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
+def test_each_path_is_one_graph_forward_and_backward(backend, documents):
+    """fullgraph=True (a graph break is an error) and aot_eager, which traces the backward as well: one graph, and
+    the output and every gradient (slopes' included) equal to eager's. The Triton path is one custom operator per
+    direction, so dynamo never traces its launch code or its host read of the document offsets."""
+    q, k, v, do, slopes, _ = make_packed([n for r in ROWS for n in r], 2, 2, 16)
+    starts = starts_of(ROWS) if documents else None
+
+    def attend(q, k, v, s):
+        return alibi_attention(q, k, v, s, backend=backend, document_starts=starts)
+
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
+        inputs = [x.detach().requires_grad_() for x in (*map(batched, (q, k, v)), slopes)]
+        out = fn(*inputs)
+        out.backward(batched(do))
+        results.append([out.detach(), *(x.grad for x in inputs)])
     torch._dynamo.reset()
-    torch.testing.assert_close(compiled, attend(*args), rtol=0, atol=0)
+    for name, got, expected in zip(["out", *NAMES], results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    inputs = (*map(batched, (q, k, v)), slopes)
+    explained = torch._dynamo.explain(attend)(*inputs)
+    torch._dynamo.reset()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
 
 
 def test_a_start_past_its_query_is_the_query_itself():

@@ -1,6 +1,7 @@
 """The compile path: GPT traces as one graph (no break: no host read in the forward), and the compiled model
 (inductor, fullgraph=True) trains like eager on the CPU."""
 
+import os
 import shutil
 
 import pytest
@@ -113,15 +114,6 @@ def test_compile_model_rejects_what_is_not_a_module():
         compile_model(lambda x: x)
 
 
-# Document attention on the Triton path is not one graph yet: lmcore.documents.document_boundaries counts the
-# documents with nonzero() and reads the longest with int() for alibi_attention_varlen; each is a host read, so
-# dynamo breaks the graph there and fullgraph=True refuses. The torch path masks the keys before each query's
-# document from document_starts (tensor ops alone) and is one graph.
-DOCUMENT_BREAKS = pytest.mark.xfail(
-    strict=True,
-    raises=(torch._dynamo.exc.UserError, torch._dynamo.exc.Unsupported),
-    reason="document attention on the Triton path reads the document offsets on the host",
-)
 DOCUMENT_IDS = IDS.clone()
 DOCUMENT_IDS[0, 5], DOCUMENT_IDS[1, 9] = 3, 3  # two rows, each cut into two documents by the separator 3
 
@@ -162,20 +154,46 @@ def test_compiled_document_attention_trains_as_the_eager_model():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# The Triton path cannot be traced on the CPU: under TRITON_INTERPRET the kernels are Python run on torch tensors,
-# which dynamo's fake tensors do not support (tried: "Unsupported method call"). On a GPU it is traced by these
-# tests, in tools/gpu_check.sh's gpu-tests part. On the H200 check host (torch 2.11, Triton 3.6) the dense case broke
-# the graph at alibi_kernels' backend check, which called importlib.util.find_spec("triton") on every call; the
-# lookup now happens once at import (alibi-kernels' test_backend_check_looks_nothing_up_per_call), and the dense case
-# is expected to be one graph: not rerun on a GPU since that change.
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "documents",
-    [False, pytest.param(True, marks=DOCUMENT_BREAKS)],
-    ids=["dense", "documents"],
+# The Triton path is one custom operator per direction (alibi_kernels.attention_triton): dynamo records it as one
+# node and never traces the launch code, so the model traces whole on the CPU under TRITON_INTERPRET (the kernels run
+# when the graph runs) and on a GPU (tools/gpu_check.sh's gpu-tests part).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+triton = pytest.mark.triton
+needs_triton = pytest.mark.skipif(
+    TRITON_DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the Triton kernels on the CPU need TRITON_INTERPRET=1 (the nox session sets it)",
 )
-def test_the_triton_attention_path_is_one_graph_on_a_gpu(documents):
-    torch.manual_seed(0)
-    extra = {"document_separator": 3} if documents else {}
-    model = GPT(ModelConfig.from_preset("tiny", attention_backend="triton", **extra)).cuda().train()
-    _one_graph(model, DOCUMENT_IDS.cuda())
+
+
+@triton
+@needs_triton
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"document_separator": 3}, {"document_separator": 3, "position": "rope"}],
+    ids=["dense", "documents", "documents-rope"],
+)
+def test_the_triton_attention_path_is_one_graph(extra):
+    model = GPT(ModelConfig.from_preset("tiny", attention_backend="triton", **extra)).to(TRITON_DEVICE).train()
+    _one_graph(model, DOCUMENT_IDS.to(TRITON_DEVICE))
+
+
+@triton
+@needs_triton
+def test_compiled_triton_document_attention_trains_as_the_eager_model():
+    """aot_eager, forward and backward, on the Triton path with documents: the loss and every gradient equal eager's
+    (the same kernels run either way)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        config = ModelConfig.from_preset("tiny", attention_backend="triton", document_separator=3, dropout=0.0)
+        models.append(GPT(config).to(TRITON_DEVICE).train())
+    ids = DOCUMENT_IDS.to(TRITON_DEVICE)
+    losses = []
+    for model in (models[0], torch.compile(models[1], backend="aot_eager", fullgraph=True)):
+        loss = model(ids, ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch._dynamo.reset()
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)

@@ -92,6 +92,13 @@ def test_kernel_names_from_the_verbose_log():
     assert cpu_math._kernel_names(lines) == ("brg_matmul:avx10_1_512_amx (fpmath bf16)", "brg_matmul:avx512_core")
 
 
+# torch routes fp32 GEMMs to oneDNN only on an AVX-512 CPU; elsewhere the probe answers MKL without measuring.
+needs_avx512 = pytest.mark.skipif(
+    not cpu_math.onednn_takes_fp32_gemms(), reason="torch keeps fp32 GEMMs on MKL on a CPU without AVX-512"
+)
+
+
+@needs_avx512
 def test_the_probe_measures_both_libraries_and_changes_nothing():
     set_cpu_matmul_library("mkl")
     probe = probe_matmul_routing([GemmShape(128, 64, 96, 2), GemmShape(128, 96, 64)], max_seconds=0.2)
@@ -102,10 +109,18 @@ def test_the_probe_measures_both_libraries_and_changes_nothing():
     assert (probe.routed, probe.reason) == (decided, reason)
 
 
+@needs_avx512
 def test_the_probe_names_the_kernels_it_ran(capfd):
     probe = probe_matmul_routing([GemmShape(64, 64, 64)], max_seconds=0.05, record_kernels=True)
     assert probe.kernels and all("matmul" in k for k in probe.kernels)
     assert "onednn_verbose" not in capfd.readouterr().out  # the log went to the probe, not to stdout
+
+
+def test_without_avx512_the_probe_answers_mkl_and_measures_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(cpu_math, "_linear_step", lambda *a, **k: pytest.fail("the probe measured"))
+    probe = probe_matmul_routing([GemmShape(64, 64, 64)], max_seconds=0.05)
+    assert not probe.routed and "AVX-512" in probe.reason and probe.probe_s == 0
 
 
 @pytest.mark.parametrize("routed, library", [(True, "onednn"), (False, "mkl")])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lmcore.model
+from alibi_kernels import alibi_attention
 from lmcore import GPT, KVCache, ModelConfig, document_boundaries
 
 SEP = 2  # the separator id of these tests; documents draw their other tokens from [3, vocab)
@@ -106,10 +107,11 @@ def test_loss_on_one_document_has_no_gradient_from_an_earlier_one(separator):
 
 
 def test_none_is_the_unchanged_code_path_bit_for_bit(monkeypatch):
-    def no_varlen(*args, **kwargs):
-        raise AssertionError("document_separator=None must not reach alibi_attention_varlen")
+    def no_documents(*args, document_starts=None, **kwargs):
+        assert document_starts is None, "document_separator=None must not pass document_starts"
+        return alibi_attention(*args, **kwargs)
 
-    monkeypatch.setattr(lmcore.model, "alibi_attention_varlen", no_varlen)
+    monkeypatch.setattr(lmcore.model, "alibi_attention", no_documents)
     unset, explicit = tiny(), tiny(document_separator=None)
     ids, _ = packed_rows()  # holds SEP: with None it is an ordinary token
     out_a, out_b = unset(ids, ids), explicit(ids, ids)

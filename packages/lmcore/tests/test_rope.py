@@ -154,7 +154,7 @@ def test_packed_documents_rotate_each_from_position_0():
     dynamic NTK's length, the longest document's, as transformers takes it from packed position_ids)."""
     model = tiny(document_separator=SEP)
     row = torch.tensor([[5, 6, SEP, 7, 8, 9, SEP, 4]])
-    documents = Packed(lmcore.document_starts(row, SEP), None)
+    documents = Packed(lmcore.document_starts(row, SEP))
     cos, sin = model._rotary(row, None, documents, torch.float32)  # (1, 8, D)
     starts = [0, 3, 7]
     assert torch.equal(cos[0, starts], torch.ones(3, 16)) and torch.equal(sin[0, starts], torch.zeros(3, 16))
@@ -200,7 +200,7 @@ def test_dynamic_scaling_of_packed_documents_takes_the_longest_document():
     model = tiny(document_separator=SEP, rope_scaling="dynamic", rope_factor=2.0, context_length=8)
     row = torch.tensor([[5] * 11 + [SEP] + [6, 7, SEP] + [8] * 9])  # documents of 12, 3 and 9 tokens, T = 24
     positions = positions_in_documents(row, SEP)
-    cos, sin = model._rotary(row, None, Packed(lmcore.document_starts(row, SEP), None), torch.float32)
+    cos, sin = model._rotary(row, None, Packed(lmcore.document_starts(row, SEP)), torch.float32)
     for got, want in zip((cos, sin), rotary_cos_sin(model.config, positions, 12, torch.float32), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(cos, rotary_cos_sin(model.config, positions, 24, torch.float32)[0])

@@ -70,8 +70,9 @@ def alibi_attention(
     sees the keys j with document_starts[b, i] <= j <= i (the first token of its document up to itself), and
     ALiBi's distance i - j is the distance inside the document, so each document is attended as if alone. Its
     values are trusted (a start past its query is taken as the query itself). On the torch path it is one SDPA
-    call over the batch with no host read, which a compiled graph keeps whole; on the Triton path the rows are
-    repacked for `alibi_attention_varlen`, which reads the document offsets on the host.
+    call over the batch with no host read; on the Triton path the rows are packed for the varlen kernels inside
+    one custom operator, which reads the document offsets on the host (one device-to-host copy per call). A
+    compiled graph keeps either whole.
 
     Example:
         >>> q = torch.randn(1, 4, 10, 32); k = v = torch.randn(1, 1, 10, 32)
@@ -84,15 +85,11 @@ def alibi_attention(
         check_document_starts(document_starts, shape, slopes_2d, causal, q.device)
     if resolve_backend(backend, q.device) == "torch":
         return torch_attention_checked(q, k, v, shape, slopes_2d, scale, causal, document_starts)
-    from alibi_kernels.attention_triton import triton_attention_checked, triton_varlen_checked
+    from alibi_kernels.attention_triton import triton_attention_checked, triton_documents_checked
 
     if document_starts is None:
         return triton_attention_checked(q, k, v, slopes_2d, scale, causal)
-    b, hq, t, d = q.shape
-    qp, kp, vp = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B * T, H, D), row after row
-    cu_seqlens, max_seqlen = starts_to_offsets(document_starts)
-    out = triton_varlen_checked(qp, kp, vp, cu_seqlens, max_seqlen, slopes_2d, scale, causal)
-    return out.reshape(b, t, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+    return triton_documents_checked(q, k, v, document_starts, slopes_2d, scale, causal)
 
 
 def starts_to_offsets(document_starts: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -1,4 +1,4 @@
-"""The Triton backend: launches the forward and backward kernels inside one autograd Function.
+"""The Triton backend: launches the forward and backward kernels, as custom operators that torch.compile keeps whole.
 
 On CUDA each kernel is autotuned per dtype and head-dim class (<= 64, <= 128, 256) over the candidates of
 `launch_configs.py`, pruned first to those whose shared memory fits the device (Triton's `prune_configs_by`); the
@@ -8,7 +8,7 @@ fits. A device that no candidate fits gets one `LaunchConfigError` naming the de
 dim and the fix, never Triton's "out of resources". Under TRITON_INTERPRET=1 (CPU tensors, tests) a single small
 tile is used, so the interpreter stays fast and the multi-block, diagonal and tail paths are all exercised at small T.
 
-Packed documents (`cu_seqlens`) run through the same kernels and the same autograd Function with VARLEN set: the
+Packed documents (`cu_seqlens`) run through the same kernels with VARLEN set: the
 "batch" program index is the document, the grid's sequence axis covers max_seqlen, and a packed (total, H, D) tensor
 is passed with a batch stride of 0 (the kernels add cu_seqlens[doc] times the token stride).
 """
@@ -44,6 +44,7 @@ __all__ = [
     "captured_launches",
     "pinned_configs",
     "triton_attention_checked",
+    "triton_documents_checked",
     "triton_varlen_checked",
 ]
 
@@ -269,98 +270,211 @@ class _Layout:
         return (heads, self.q_len) if self.varlen else (self.n_seq * heads, self.q_len)
 
 
+def _forward(q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None):
+    """Run the forward kernel: (out, lse), out contiguous in q's layout, lse float32 as the backward reads it."""
+    layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
+    if cu_seqlens is None:
+        cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)  # never read without VARLEN
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    slopes32 = slopes_2d.detach().to(torch.float32).contiguous()  # (1 or B, Hq)
+    stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D) or (total, Hq, D)
+    lse = torch.empty(layout.lse_shape(hq), device=q.device, dtype=torch.float32)
+    block_d = triton.next_power_of_2(d)
+    common = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "IS_CAUSAL": causal,
+        "VARLEN": layout.varlen,
+        **_dot_options(q.dtype),
+    }
+    t_bucket = _t_bucket(layout.grid_q, layout.grid_k)
+
+    def grid(meta):
+        return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
+
+    if layout.grid_q > 0:  # packed inputs of only empty documents launch nothing
+        st = layout.strides
+        args = (
+            q, k, v, slopes32, out, lse, cu_seqlens,
+            *st(q), *st(k), *st(v), *st(out), stride_sb, slopes32.stride(1),
+            hq, hq // hkv, layout.q_len, layout.k_len, scale * LOG2E, t_bucket,
+        )  # fmt: skip
+        _launch("fwd", grid, args, common, q.dtype)
+    return out, lse
+
+
+def _backward(do, q, k, v, out, lse, slopes_2d, causal: bool, scale: float, slope_grad: bool, cu_seqlens, max_seqlen):
+    """Run the two backward kernels: (dq, dk, dv, dslopes), dslopes in slopes_2d's shape and dtype (None unless
+    `slope_grad`)."""
+    layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
+    if cu_seqlens is None:
+        cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)
+    slopes32 = slopes_2d.detach().to(torch.float32).contiguous()
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    block_d = triton.next_power_of_2(d)
+    stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
+    delta = (out.float() * do.float()).sum(-1)  # (B, Hq, Tq) or (total, Hq)
+    delta = delta.t().contiguous() if layout.varlen else delta.reshape(lse.shape)  # lse's layout
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, as the kernels write it
+    dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
+    common = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "IS_CAUSAL": causal,
+        "VARLEN": layout.varlen,
+        **_dot_options(q.dtype),
+    }
+    st = layout.strides
+    strides = (*st(q), *st(k), *st(v), *st(do), stride_sb, slopes32.stride(1))
+    scales = (scale, scale * LOG2E, _t_bucket(layout.grid_q, layout.grid_k))
+    sizes = (layout.q_len, layout.k_len)
+
+    def grid_kv(meta):
+        return (triton.cdiv(layout.grid_k, meta["BLOCK_N"]), layout.n_seq * hkv)
+
+    # Partial slope gradients, one per (sequence*head, query block); sized for the smallest candidate BLOCK_M.
+    smallest = min_block_m("dq", q.dtype, d)
+    dslope_parts = torch.zeros(
+        (layout.n_seq * hq, triton.cdiv(layout.grid_q, smallest)), device=q.device, dtype=torch.float32
+    )
+
+    def grid_q(meta):
+        return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
+
+    if layout.grid_q > 0:
+        dkdv_args = (
+            q, k, v, slopes32, do, lse, delta, dk, dv, cu_seqlens, *strides, hq, hkv, hq // hkv, *sizes, *scales,
+        )  # fmt: skip
+        _launch("dkdv", grid_kv, dkdv_args, common, q.dtype)
+        dq_args = (
+            q, k, v, slopes32, do, lse, delta, dq, dslope_parts, cu_seqlens, dslope_parts.stride(0),
+            *strides, hq, hq // hkv, *sizes, *scales,
+        )  # fmt: skip
+        _launch("dq", grid_q, dq_args, {**common, "SLOPE_GRAD": slope_grad}, q.dtype)
+
+    dslopes = None
+    if slope_grad:
+        dslopes = dslope_parts.sum(-1).reshape(layout.n_seq, hq)
+        if slopes_2d.shape[0] == 1:
+            dslopes = dslopes.sum(0, keepdim=True)
+        dslopes = dslopes.to(slopes_2d.dtype)
+    return dq, dk, dv, dslopes
+
+
 class _AlibiAttention(torch.autograd.Function):
+    """The kernels inside one autograd Function: `alibi_attention_varlen` (packed documents, host offsets) and the
+    ahead-of-time fit check (compile_fit), which captures its launches."""
+
     @staticmethod
     def forward(ctx, q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None):
-        layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
-        if cu_seqlens is None:
-            cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)  # never read without VARLEN
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-        slopes32 = slopes_2d.detach().to(torch.float32).contiguous()  # (1 or B, Hq)
-        stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D) or (total, Hq, D)
-        lse = torch.empty(layout.lse_shape(hq), device=q.device, dtype=torch.float32)
-        block_d = triton.next_power_of_2(d)
-        common = {
-            "HEAD_DIM": d,
-            "BLOCK_D": block_d,
-            "IS_CAUSAL": causal,
-            "VARLEN": layout.varlen,
-            **_dot_options(q.dtype),
-        }
-        t_bucket = _t_bucket(layout.grid_q, layout.grid_k)
-
-        def grid(meta):
-            return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
-
-        if layout.grid_q > 0:  # packed inputs of only empty documents launch nothing
-            st = layout.strides
-            args = (
-                q, k, v, slopes32, out, lse, cu_seqlens,
-                *st(q), *st(k), *st(v), *st(out), stride_sb, slopes32.stride(1),
-                hq, hq // hkv, layout.q_len, layout.k_len, scale * LOG2E, t_bucket,
-            )  # fmt: skip
-            _launch("fwd", grid, args, common, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, slopes32, cu_seqlens)
-        ctx.causal, ctx.scale, ctx.slopes_shape, ctx.layout = causal, scale, slopes_2d.shape, layout
-        ctx.slopes_dtype = slopes_2d.dtype
+        out, lse = _forward(q, k, v, slopes_2d, causal, scale, cu_seqlens, max_seqlen)
+        ctx.save_for_backward(q, k, v, out, lse, slopes_2d, cu_seqlens)
+        ctx.causal, ctx.scale, ctx.max_seqlen = causal, scale, max_seqlen
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, slopes32, cu_seqlens = ctx.saved_tensors
-        layout: _Layout = ctx.layout
-        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-        block_d = triton.next_power_of_2(d)
-        stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
-        delta = (out.float() * do.float()).sum(-1)  # (B, Hq, Tq) or (total, Hq)
-        delta = delta.t().contiguous() if layout.varlen else delta.reshape(lse.shape)  # lse's layout
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, as the kernels write it
-        dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
-        dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
-        slope_grad = ctx.needs_input_grad[3]
-        common = {
-            "HEAD_DIM": d,
-            "BLOCK_D": block_d,
-            "IS_CAUSAL": ctx.causal,
-            "VARLEN": layout.varlen,
-            **_dot_options(q.dtype),
-        }
-        st = layout.strides
-        strides = (*st(q), *st(k), *st(v), *st(do), stride_sb, slopes32.stride(1))
-        scales = (ctx.scale, ctx.scale * LOG2E, _t_bucket(layout.grid_q, layout.grid_k))
-        sizes = (layout.q_len, layout.k_len)
-
-        def grid_kv(meta):
-            return (triton.cdiv(layout.grid_k, meta["BLOCK_N"]), layout.n_seq * hkv)
-
-        # Partial slope gradients, one per (sequence*head, query block); sized for the smallest candidate BLOCK_M.
-        smallest = min_block_m("dq", q.dtype, d)
-        dslope_parts = torch.zeros(
-            (layout.n_seq * hq, triton.cdiv(layout.grid_q, smallest)), device=q.device, dtype=torch.float32
+        q, k, v, out, lse, slopes_2d, cu_seqlens = ctx.saved_tensors
+        grads = _backward(
+            do, q, k, v, out, lse, slopes_2d, ctx.causal, ctx.scale, ctx.needs_input_grad[3], cu_seqlens, ctx.max_seqlen
         )
+        return (*grads, None, None, None, None)
 
-        def grid_q(meta):
-            return (triton.cdiv(layout.grid_q, meta["BLOCK_M"]), layout.n_seq * hq)
 
-        if layout.grid_q > 0:
-            dkdv_args = (
-                q, k, v, slopes32, do, lse, delta, dk, dv, cu_seqlens, *strides, hq, hkv, hq // hkv, *sizes, *scales,
-            )  # fmt: skip
-            _launch("dkdv", grid_kv, dkdv_args, common, q.dtype)
-            dq_args = (
-                q, k, v, slopes32, do, lse, delta, dq, dslope_parts, cu_seqlens, dslope_parts.stride(0),
-                *strides, hq, hq // hkv, *sizes, *scales,
-            )  # fmt: skip
-            _launch("dq", grid_q, dq_args, {**common, "SLOPE_GRAD": slope_grad}, q.dtype)
+# `alibi_attention` on the Triton path, with or without document_starts, is one custom operator for the forward and
+# one for the backward: torch.compile records each call as one node of its graph and never traces the launch code,
+# which reads tensor metadata and, for documents, the offsets on the host (a graph break were it traced). The
+# document offsets are computed inside the forward operator (one device-to-host copy per call) and handed to the
+# backward as outputs: cu_seqlens padded to B * T + 1 entries and, on the host, (documents, longest document).
+_NO_OFFSETS = (0,)
 
-        dslopes = None
-        if slope_grad:
-            dslopes = dslope_parts.sum(-1).reshape(layout.n_seq, hq)
-            if ctx.slopes_shape[0] == 1:
-                dslopes = dslopes.sum(0, keepdim=True)
-            dslopes = dslopes.to(ctx.slopes_dtype)
-        return dq, dk, dv, dslopes, None, None, None, None
+
+@torch.library.custom_op("alibi_kernels::triton_attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes_2d: torch.Tensor,
+    document_starts: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, cu_seqlens, counts). Dense: q (B, Hq, Tq, D). Documents: q (B * T, Hq, D), rows packed one after
+    the other, and document_starts (B, T)."""
+    if document_starts is None:
+        out, lse = _forward(q, k, v, slopes_2d, causal, scale)
+        return out, lse, q.new_empty(_NO_OFFSETS, dtype=torch.int32), torch.empty(_NO_OFFSETS, dtype=torch.int64)
+    from alibi_kernels.attention import starts_to_offsets
+
+    cu_seqlens, max_seqlen = starts_to_offsets(document_starts)
+    out, lse = _forward(q, k, v, slopes_2d, causal, scale, cu_seqlens, max_seqlen)
+    padded = torch.full((q.shape[0] + 1,), q.shape[0], device=q.device, dtype=torch.int32)
+    padded[: cu_seqlens.numel()] = cu_seqlens
+    return out, lse, padded, torch.tensor([cu_seqlens.numel() - 1, max_seqlen], dtype=torch.int64)
+
+
+@_attention_op.register_fake
+def _(q, k, v, slopes_2d, document_starts, causal, scale):
+    hq = q.shape[1]
+    if document_starts is None:
+        lse = q.new_empty((q.shape[0] * hq, q.shape[2]), dtype=torch.float32)
+        offsets = q.new_empty(_NO_OFFSETS, dtype=torch.int32), torch.empty(_NO_OFFSETS, dtype=torch.int64)
+    else:
+        lse = q.new_empty((hq, q.shape[0]), dtype=torch.float32)
+        offsets = q.new_empty((q.shape[0] + 1,), dtype=torch.int32), torch.empty((2,), dtype=torch.int64)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, *offsets
+
+
+@torch.library.custom_op("alibi_kernels::triton_attention_backward", mutates_args=())
+def _attention_backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    slopes_2d: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    counts: torch.Tensor,
+    causal: bool,
+    scale: float,
+    slope_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dslopes); dslopes is empty unless `slope_grad`."""
+    if counts.numel():
+        documents, max_seqlen = (int(c) for c in counts.tolist())  # a host tensor: no device read
+        offsets = cu_seqlens[: documents + 1], max_seqlen
+    else:
+        offsets = None, None
+    dq, dk, dv, dslopes = _backward(do, q, k, v, out, lse, slopes_2d, causal, scale, slope_grad, *offsets)
+    return dq, dk, dv, dslopes if dslopes is not None else slopes_2d.new_empty(_NO_OFFSETS)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, out, lse, slopes_2d, cu_seqlens, counts, causal, scale, slope_grad):
+    dslopes = torch.empty_like(slopes_2d) if slope_grad else slopes_2d.new_empty(_NO_OFFSETS)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dslopes
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, slopes_2d, _, causal, scale = inputs
+    out, lse, cu_seqlens, counts = output
+    ctx.save_for_backward(q, k, v, out, lse, slopes_2d, cu_seqlens, counts)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _attention_grad(ctx, do, *_):
+    q, k, v, out, lse, slopes_2d, cu_seqlens, counts = ctx.saved_tensors
+    slope_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dslopes = _attention_backward_op(
+        do.contiguous(), q, k, v, out, lse, slopes_2d, cu_seqlens, counts, ctx.causal, ctx.scale, slope_grad
+    )
+    return dq, dk, dv, dslopes if slope_grad else None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
 
 
 def alibi_attention_triton(
@@ -397,7 +511,25 @@ def triton_attention_checked(
 ) -> torch.Tensor:
     """The Triton path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
     _check_runnable(q)
-    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale)
+    return _attention_op(q, k, v, slopes_2d, None, causal, scale)[0]
+
+
+def triton_documents_checked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_starts: torch.Tensor,
+    slopes_2d: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """`alibi_attention(document_starts=...)` on the Triton path, inputs already checked: each row's documents
+    packed for the varlen kernels inside one operator. (B, Hq, T, D)."""
+    _check_runnable(q)
+    b, hq, t, d = q.shape
+    qp, kp, vp = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B * T, H, D), row after row
+    out = _attention_op(qp, kp, vp, slopes_2d, document_starts, causal, scale)[0]
+    return out.reshape(b, t, hq, d).transpose(1, 2)
 
 
 def triton_varlen_checked(

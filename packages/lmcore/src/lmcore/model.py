@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from alibi_kernels import alibi_attention, alibi_attention_varlen, alibi_slopes, resolve_backend
+from alibi_kernels import alibi_attention, alibi_slopes
 from lmcore.config import ModelConfig
 from lmcore.config import flops_per_token as config_flops_per_token
-from lmcore.documents import Documents, document_boundaries, document_starts
+from lmcore.documents import document_starts
 from lmcore.init_schemes import initialize
 from lmcore.rope import apply_rope, rotary_cos_sin
 
@@ -33,7 +33,6 @@ class Packed(NamedTuple):
     """The documents of one forward's (B, T) batch, found once and shared by every layer."""
 
     starts: Tensor  # (B, T) the first token of each token's document (lmcore.documents.document_starts)
-    varlen: Documents | None  # the Triton path's packed offsets; None on the torch path, which needs only `starts`
 
 
 def check_token_ids(input_ids: Tensor, vocab_size: int) -> None:
@@ -208,11 +207,6 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, starts: Tensor | None = None) -> Tensor:
         return alibi_attention(q, k, v, slopes, causal=True, backend=self.backend, document_starts=starts)
 
-    def _attend_documents(
-        self, q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, cu_seqlens: Tensor, max_seqlen: int
-    ) -> Tensor:
-        return alibi_attention_varlen(q, k, v, cu_seqlens, max_seqlen, slopes, causal=True, backend=self.backend)
-
     def _core(self, attend, *args: Tensor | int | None) -> Tensor:
         if self.checkpoint_core and self.training and torch.is_grad_enabled():
             # Recompute only the attention core in backward: its s^2 scores are most of the activations at long
@@ -235,20 +229,14 @@ class Attention(nn.Module):
             # Rotated before the cache stores the keys: cached keys keep the angle of their own position.
             q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
         slopes = self.head_slopes(x.device)
-        if documents is not None and documents.varlen is not None:
-            # Attention inside each packed document: the rows flattened into varlen's (B * T, H, D) layout,
-            # token-major like (B, T, H, D), so no transpose either way.
-            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-            varlen = documents.varlen
-            y = self._core(self._attend_documents, q, k, v, slopes, varlen.cu_seqlens, varlen.max_seqlen)
-        else:
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-            if kv_cache is not None:
-                # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
-                k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
-            # With documents on the torch path: the batch layout, keys before each query's document masked.
-            starts = None if documents is None else documents.starts
-            y = self._core(self._attend, q, k, v, slopes, starts).transpose(1, 2)  # (B, T, H, D)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if kv_cache is not None:
+            # Queries are the last T positions of the keys; alibi_attention aligns them to the end.
+            k, v = kv_cache.update(self.layer_idx, k, v)  # (B, Hkv, T_cached + T, D)
+        # With documents, attention stays inside each one: on the torch path the keys before each query's document
+        # are masked, on the Triton path the rows are packed for the varlen kernels (inside alibi_attention).
+        starts = None if documents is None else documents.starts
+        y = self._core(self._attend, q, k, v, slopes, starts).transpose(1, 2)  # (B, T, H, D)
         return self.resid_dropout(self.o_proj(y.reshape(B, T, C)))
 
 
@@ -345,11 +333,9 @@ class GPT(nn.Module):
         documents = None
         separator = self.config.document_separator
         if separator is not None and kv_cache is None and input_ids.shape[1] > 0:
-            # Once per forward, shared by every layer. The Triton path's varlen offsets cost one host sync (the
-            # number of documents, the longest); the torch path's starts none, so a compiled graph stays whole.
-            on_triton = resolve_backend(self.config.attention_backend, input_ids.device) == "triton"
-            varlen = document_boundaries(input_ids, separator) if on_triton else None
-            documents = Packed(document_starts(input_ids, separator), varlen)
+            # Once per forward, shared by every layer, with no host read: a compiled graph stays whole. (The Triton
+            # path reads each layer's document offsets on the host inside its attention operator.)
+            documents = Packed(document_starts(input_ids, separator))
         x = self.embed_dropout(self.embed_tokens(input_ids))  # (B, T, C)
         rotary = self._rotary(input_ids, kv_cache, documents, x.dtype) if self.config.position == "rope" else None
         checkpoint_blocks = self.config.checkpointing == "block" and self.training and torch.is_grad_enabled()
