@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lmcore.extras import MissingExtraError, import_hf, install_hint
+from lmcore.extras import MissingExtraError, extra_hint, import_hf, install_hint
 
 
 @pytest.mark.parametrize("module", ["transformers", "peft", "transformers.models.mpt"])
@@ -22,6 +22,18 @@ def test_the_app_names_its_own_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(MissingExtraError, match=r"^lmtrain export needs transformers, .*lmtrain\[hf\]['\"]$"):
         import_hf("transformers", "lmtrain export", dist="lmtrain")
+
+
+def test_on_python_3_10_the_hf_extra_asks_for_a_newer_python_not_an_impossible_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 13, "final", 0))
+    with pytest.raises(MissingExtraError) as err:
+        import_hf("transformers", "lmtrain export", dist="lmtrain")
+    assert str(err.value) == (
+        "lmtrain export needs transformers, which is not installed: its hf extra needs Python 3.11 or newer "
+        "(transformers 5.24+), this is Python 3.10: use a Python 3.11+ environment"
+    )
+    assert extra_hint("gguf", python=(3, 10)) == install_hint("gguf")  # the other extras install on 3.10
 
 
 def test_an_installed_library_missing_its_own_dependency_keeps_that_error(monkeypatch, tmp_path):

@@ -173,6 +173,24 @@ def test_the_printed_commands_reach_lmtrain_from_the_users_shell(tmp_path, monke
     assert lmtrain_command() == "lmtrain"
 
 
+def test_the_printed_export_line_says_what_it_needs_where_transformers_is_missing(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    from lmtrain.finetune_run import _next_commands
+    from lmtrain.train_run import next_commands
+
+    meta = {"val_path": str(tmp_path / "data" / "val.bin")}
+    assert next_commands(tmp_path, meta)[-1].endswith(f"export --run {tmp_path} --out DIR")  # the hf extra is here
+    real = importlib.util.find_spec
+    missing = lambda name, *a: None if name == "transformers" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 13, "final", 0))
+    needs = "(export to Hugging Face formats needs transformers: its hf extra needs Python 3.11 or newer"
+    for commands in (next_commands(tmp_path, meta), _next_commands(tmp_path)):
+        assert commands[-1].startswith(needs) and not any(" export " in c for c in commands)
+
+
 def test_the_printed_config_shows_what_the_run_will_use_with_or_without_data(run, tmp_path, capsys, monkeypatch):
     import re
 

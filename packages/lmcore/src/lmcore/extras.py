@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -13,6 +14,9 @@ DIST = "lmtools-lmcore"  # the distribution name (the import name `lmcore` is an
 HF_MODULES = ("transformers", "peft")
 # extra -> the top-level modules it provides
 EXTRAS = {"hf": HF_MODULES, "gguf": ("gguf", "numpy")}
+# The hf extra pins transformers 5.24+ (its SentencePiece converter: 5.20.2, the newest release for Python 3.10, leaves
+# the document-start token out), which is released for Python 3.11 and later only.
+HF_MIN_PYTHON = (3, 11)
 
 
 class MissingExtraError(ImportError):
@@ -55,7 +59,24 @@ def import_extra(module: str, extra: str, purpose: str, dist: str = DIST) -> Mod
     except ModuleNotFoundError as exc:
         if exc.name is None or (exc.name != module and not module.startswith(exc.name + ".")):
             raise
-        raise MissingExtraError(f"{purpose} needs {top}, which is not installed: {install_hint(extra, dist)}") from exc
+        raise MissingExtraError(f"{purpose} needs {top}, which is not installed: {extra_hint(extra, dist)}") from exc
+
+
+def extra_hint(extra: str, dist: str = DIST, python: tuple[int, ...] | None = None) -> str:
+    """How to get `extra`: `install_hint`'s pip line, or, for the hf extra on a Python older than 3.11 (`python`,
+    default this one), that it needs a newer Python, since no transformers release it admits installs there.
+
+    Example:
+        >>> extra_hint("hf", "lmtools-lmcore", python=(3, 10))  # doctest: +ELLIPSIS
+        'its hf extra needs Python 3.11 or newer (transformers 5.24+), this is Python 3.10: ...'
+    """
+    version = tuple((python or sys.version_info)[:2])
+    if extra == "hf" and version < HF_MIN_PYTHON:
+        return (
+            f"its hf extra needs Python {'.'.join(map(str, HF_MIN_PYTHON))} or newer (transformers 5.24+), this is "
+            f"Python {'.'.join(map(str, version))}: use a Python 3.11+ environment"
+        )
+    return install_hint(extra, dist)
 
 
 def install_hint(extra: str, dist: str = DIST) -> str:

@@ -57,7 +57,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from lmtrain.recipes import DEFAULT_RECIPE
     from lmtrain.run_files import load_tokenizer, load_trained_model
     from lmtrain.sample import continue_text
-    from lmtrain.shell import lmtrain_command
+    from lmtrain.shell import export_next, lmtrain_command
     from lmtrain.train_run import run_request
 
     if not math.isfinite(args.time_budget) or args.time_budget <= 0:
@@ -125,7 +125,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{reach}next:\n"
         f"  {command} generate --run {shlex.quote(str(run))} --prompt 'def main():' --seed 0\n"
         f"  {command} eval --run {shlex.quote(str(run))} --text {shlex.quote(str(data / 'val.txt'))}\n"
-        f"  {command} export --run {shlex.quote(str(run))} --out {shlex.quote(str(out / 'hf'))}"
+        f"  {export_next(command, shlex.quote(str(run)), shlex.quote(str(out / 'hf')))}"
     )
     return 0
 
@@ -137,7 +137,7 @@ def run_base_demo(args: argparse.Namespace) -> int:
 
     from lmtrain.base_model import is_base_dir, read_base
     from lmtrain.finetune_demo import demo_finetune
-    from lmtrain.shell import lmtrain_command
+    from lmtrain.shell import export_next, lmtrain_command
 
     if not args.finetune:
         raise LmtrainError(f"--base {args.base}: fine-tunes a base model, which needs --finetune: lmtrain demo "
@@ -163,5 +163,5 @@ def run_base_demo(args: argparse.Namespace) -> int:
           f"heldout_prompts.jsonl, generations-*.jsonl, finetune/). next:\n"
           f"  {command} eval --run {ft} --prompts {shlex.quote(str(out / 'heldout_prompts.jsonl'))}\n"
           f"  {command} generate --run {ft} --chat --prompt 'def square(x):'\n"
-          f"  {command} export --run {ft} --out {shlex.quote(str(out / 'hf'))}")  # fmt: skip
+          f"  {export_next(command, ft, shlex.quote(str(out / 'hf')))}")  # fmt: skip
     return 0

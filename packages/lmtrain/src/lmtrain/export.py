@@ -74,11 +74,11 @@ def _require_protobuf() -> None:
     except ModuleNotFoundError as exc:
         if exc.name not in ("google", "google.protobuf"):
             raise
-        from lmcore.extras import install_hint
+        from lmcore.extras import extra_hint
 
         raise LmtrainError(
             "lmtrain export needs protobuf (to convert the tokenizer), which is not installed: "
-            f"{install_hint('hf', 'lmtrain')} (or --no-tokenizer to export the model alone)"
+            f"{extra_hint('hf', 'lmtrain')} (or --no-tokenizer to export the model alone)"
         ) from None
 
 

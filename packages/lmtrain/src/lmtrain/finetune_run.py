@@ -459,12 +459,12 @@ def _say_inputs(run: Run, request: FinetuneRequest, start: _Start, lora: Mapping
 
 
 def _next_commands(run_dir: Path) -> list[str]:
-    from lmtrain.shell import lmtrain_command
+    from lmtrain.shell import export_next, lmtrain_command
 
     command, run = lmtrain_command(), shlex.quote(str(run_dir))
     return [f"{command} eval --run {run} --prompts HELDOUT.jsonl",
             f"{command} generate --run {run} --chat --prompt TEXT",
-            f"{command} export --run {run} --out DIR"]  # fmt: skip
+            export_next(command, run, "DIR")]  # fmt: skip
 
 
 def _source_dir(spec: str) -> Path:

@@ -25,6 +25,23 @@ def lmtrain_command() -> str:
     return f"{shlex.quote(sys.executable)} -m lmtrain"
 
 
+def export_next(command: str, run: str, out: str) -> str:
+    """The `export` line of a "next" list (`run` and `out` already quoted): the command, or, where transformers
+    cannot be imported here, what it needs instead, so that no line printed as a command fails as printed.
+
+    Example:
+        >>> export_next("lmtrain", "runs/a", "DIR")  # with the hf extra installed
+        'lmtrain export --run runs/a --out DIR'
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        from lmcore.extras import extra_hint
+
+        return f"(export to Hugging Face formats needs transformers: {extra_hint('hf', 'lmtrain')})"
+    return f"{command} export --run {run} --out {out}"
+
+
 def kit_file(name: str) -> str:
     """``tools/cluster-3090/NAME`` as the user reaches it from the current directory: relative where the checkout
     this lmtrain runs from lies below it, else the absolute path; a wheel installed without its checkout gets the

@@ -174,12 +174,12 @@ def _run(run: Run, request: TrainRequest, as_json: bool) -> RunSummary:
 
 def next_commands(run_dir: Path, meta: Mapping[str, Any]) -> list[str]:
     """What to run after a pretraining run, as the user's shell reaches this lmtrain (lmtrain.shell)."""
-    from lmtrain.shell import lmtrain_command
+    from lmtrain.shell import export_next, lmtrain_command
 
     command, run, val_text = lmtrain_command(), shlex.quote(str(run_dir)), Path(meta["val_path"]).parent / "val.txt"
     return [f"{command} eval --run {run} --text {shlex.quote(str(val_text))}",
             f"{command} generate --run {run} --prompt TEXT",
-            f"{command} export --run {run} --out DIR"]  # fmt: skip
+            export_next(command, run, "DIR")]  # fmt: skip
 
 
 def run_train(args: argparse.Namespace) -> int:
