@@ -398,8 +398,10 @@ def transformers_lower_bound(session: nox.Session) -> None:
     _torch_index(session)
     req = Requirement(pyproject("lmcore")["project"]["optional-dependencies"]["hf"][0])  # transformers
     version = session.posargs[0] if session.posargs else next(s.version for s in req.specifier if s.operator == ">=")
-    session.install(*[arg for p in HF_TESTS for arg in ("-e", _path(p, TEST_EXTRAS[p]))], *TEST_TOOLS)
+    session.install(*[arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))], *TEST_TOOLS)
+    # Below the extra's range pip installs it all the same, with a warning that lmcore asks for another.
     session.install(f"transformers=={version}")
+    session.run("python", "-c", "import transformers; print('transformers', transformers.__version__)")
     for dist, files in HF_TESTS.items():
         session.chdir(PACKAGES_DIR / dist)
         session.run("pytest", *files, env=_test_env(session))

@@ -171,3 +171,25 @@ def test_deepspeed_checkpoint_files_are_read_without_running_code(tmp_path, whic
         run("train_tiny.py", {**args, "max_steps": 4, "resume": True})
     assert f"{target.name}: refused: it holds " in str(failed.value), str(failed.value)[-2000:]
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["no-fp16", "fp16"])
+def test_zero3_init_keeps_the_models_dtype_where_the_accelerator_has_no_fp16(monkeypatch, fp16):
+    """DeepSpeed's zero.Init turns a given fp32 into bf16 on an accelerator without fp16 (an AVX2-only CPU), which
+    failed the NVMe offload test there; within compat.keeping_model_dtype the given dtype stays."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Init
+
+    from trainloop import deepspeed_compat as compat
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: fp16)
+    init = object.__new__(Init)
+    Init._set_dtype(init, None, torch.float32)
+    assert init.dtype == (torch.float32 if fp16 else torch.bfloat16)  # DeepSpeed's own answer (0.19.8)
+    with compat.keeping_model_dtype():
+        Init._set_dtype(init, None, torch.float32)
+        assert init.dtype == torch.float32
+        Init._set_dtype(init, None, None)
+        assert init.dtype == (torch.float16 if fp16 else torch.bfloat16)  # no dtype given: DeepSpeed's choice
+    Init._set_dtype(init, None, torch.float32)
+    assert init.dtype == (torch.float32 if fp16 else torch.bfloat16)  # restored after the block

@@ -12,6 +12,7 @@ needs beyond that is here:
   universal loader (:func:`loading_universal`);
 - ZeRO-3 with the optimizer on NVMe: the clipped gradients handed to the step (:class:`SwappedGradients`) and the
   optimizer state restored after a load (:func:`restore_swapped_optimizer`);
+- ZeRO-3 keeping the model's dtype where the accelerator has no fp16 (:func:`keeping_model_dtype`);
 - loading DeepSpeed's own checkpoint files without unpickling arbitrary objects: its default checkpoint engine
   calls ``torch.load(weights_only=False)``, which runs whatever a file's pickle names; :func:`safe_load` reads with
   ``weights_only=True`` and only the DeepSpeed classes its states hold (:func:`allowed_globals`), and
@@ -186,6 +187,35 @@ def restore_swapped_optimizer(zero_optimizer: Any, optim_states: Path) -> None:
     if persistent:
         persistent[0].partition(persistent)
         persistent[0].all_gather(persistent)
+
+
+@contextlib.contextmanager
+def keeping_model_dtype():
+    """Within the block (``deepspeed.initialize``), ZeRO-3's ``Init`` keeps the dtype it is given.
+
+    DeepSpeed 0.19.8's ``_set_dtype`` computes it as ``dtype or torch.float16 if fp16 else torch.bfloat16 if ...``,
+    which Python reads as ``(dtype or float16) if fp16 else (bfloat16 ...)``: on an accelerator without fp16 (a CPU
+    whose oneDNN has no fp16, e.g. an AVX2-only AMD EPYC) the model's fp32, which the engine passes, becomes bf16.
+    With parameters offloaded to NVMe the swap buffers then hold bf16 and the forward fails ("expected m1 and m2 to
+    have the same dtype", ``tests/test_zero3.py``); on a CUDA device, which has fp16, nothing changes."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    owner = partition_parameters.InsertPostInitMethodToModuleSubClasses
+    original = getattr(owner, "_set_dtype", None)
+    if original is None:  # a release without the method: nothing to repair
+        yield
+        return
+
+    def set_dtype(self: Any, ds_config: Any, dtype: Any) -> None:
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    owner._set_dtype = set_dtype
+    try:
+        yield
+    finally:
+        owner._set_dtype = original
 
 
 @contextlib.contextmanager

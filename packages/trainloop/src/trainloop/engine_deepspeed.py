@@ -59,9 +59,10 @@ class DeepSpeedEngine(SteppingEngine):
         if not isinstance(ds_config, ResolvedDSConfig):
             ds_config = ResolvedDSConfig(*build_ds_config(ds_config, config, world_size, on_cpu=device.type == "cpu"))
         self.ds_config, self.notes = ds_config.config, list(ds_config.notes)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=make_adamw(model, config), config=self.ds_config
-        )
+        with compat.keeping_model_dtype():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=make_adamw(model, config), config=self.ds_config
+            )
         compat.load_safely(self.engine)  # its checkpoint files are read without unpickling code
         self.module = self.engine.module
         self.stage = int(self.ds_config["zero_optimization"]["stage"])
