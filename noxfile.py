@@ -331,7 +331,11 @@ def demo(session: nox.Session) -> None:
         session.log(f"Python {version[0]}.{version[1]}: without the hf extra (transformers 5.24+ needs Python 3.11); "
                     "the demo runs, and its export loads in transformers from Python 3.11")  # fmt: skip
     session.install(*_demo_requirements(version))
-    session.run("lmtrain", "demo", *session.posargs)
+    # lmtrain gets the PATH of the shell that ran nox, not the session's (nox puts this venv's bin/ first, whatever
+    # env= says, hence `env`): the commands it prints next then name the lmtrain that shell reaches, the full path
+    # here, and run as printed there.
+    lmtrain = str(Path(session.bin) / "lmtrain")
+    session.run("env", f"PATH={os.environ.get('PATH', '')}", lmtrain, "demo", *session.posargs, external=True)
     session.log(f"lmtrain is in {Path(session.bin) / 'lmtrain'} (source {Path(session.bin) / 'activate'} to put it on "
                 "PATH); `nox -s clean` removes this and every other nox venv")  # fmt: skip
 
