@@ -443,11 +443,10 @@ def _attention_backward_op(
     slope_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dslopes); dslopes is empty unless `slope_grad`."""
+    offsets: tuple[torch.Tensor | None, int | None] = (None, None)
     if counts.numel():
         documents, max_seqlen = (int(c) for c in counts.tolist())  # a host tensor: no device read
         offsets = cu_seqlens[: documents + 1], max_seqlen
-    else:
-        offsets = None, None
     dq, dk, dv, dslopes = _backward(do, q, k, v, out, lse, slopes_2d, causal, scale, slope_grad, *offsets)
     return dq, dk, dv, dslopes if dslopes is not None else slopes_2d.new_empty(_NO_OFFSETS)
 
