@@ -9,6 +9,7 @@ from pathlib import Path
 from conftest import read_metrics, run_lmtrain
 
 from lmtrain.planner import RULE
+from trainloop.budget import BUDGET
 
 
 def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path):
@@ -26,10 +27,18 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     assert f"stopped: {summary['stopped'] or 'planned end'} at step {summary['step']}, best at step" in result.stdout
     plans = summary["budget_plans"]
     assert plans == json.loads((run / "summary.json").read_text())["budget_plans"]
-    assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans) and len(plans) == 2
-    assert result.stdout.count("re-planned at step") == 2 and result.stdout.count("torch engine") == 1  # one fit()
-    lrs = [r["lr"] for r in read_metrics(run) if "lr" in r]
-    assert lrs[-1] < max(lrs)  # the planned decay happened
+    # The first re-plan (at 20% of the budget) comes before early stopping can (patience + 1 evaluations, a quarter of
+    # the budget at least); whether the run is still going at a later one depends on the machine's speed and load.
+    assert 1 <= len(plans) <= len(BUDGET.replan_at)
+    assert [p["at_step"] for p in plans] == sorted(p["at_step"] for p in plans)
+    assert result.stdout.count("re-planned at step") == len(plans)
+    assert result.stdout.count("torch engine") == 1  # one fit()
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
+    peak = max(lrs, key=lambda step: (lrs[step], -step))  # the first step at the highest rate
+    after_peak = [lr for step, lr in sorted(lrs.items()) if step >= peak]
+    assert after_peak == sorted(after_peak, reverse=True)  # warmup, stable, decay: never up again
+    if summary["step"] > plans[-1]["decay_from"] + 1:
+        assert lrs[max(lrs)] < max(lrs.values())  # the planned decay happened
     evals = [r for r in read_metrics(run) if "eval_loss" in r]
     assert len(evals) >= 2, "timed evaluations during a budgeted run"
     best = json.loads((run / "checkpoints" / "best.json").read_text())
