@@ -159,8 +159,9 @@ def _test_env(session: nox.Session) -> dict[str, str]:
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
-    # nox fails the session on any non-zero exit, pytest's 5 ("no tests collected") included.
-    session.run("pytest", *paths, *session.posargs, env=_test_env(session))
+    # nox fails the session on any non-zero exit, pytest's 5 ("no tests collected") included. The slowest tests are
+    # listed at the end, so that a CI run that grows shows where.
+    session.run("pytest", "--durations=10", "--durations-min=5", *paths, *session.posargs, env=_test_env(session))
 
 
 def _doctests(session: nox.Session, dist: str) -> None:
