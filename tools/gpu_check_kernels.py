@@ -124,7 +124,7 @@ def count_compiles(quick: bool) -> int:
 
     def dense(q, k, v, s, *, causal):
         _, slopes_2d, scale = check_attention_inputs(q, k, v, s, causal, None)
-        return at._AlibiAttention.apply(q, k, v, slopes_2d, causal, scale)
+        return at.triton_call(q, k, v, slopes_2d, causal, scale)
 
     for case in test_gpu_grid.GRID:
         q, k, v, do, slopes = test_gpu_grid.grid_inputs(*case, device="cpu")
@@ -137,7 +137,7 @@ def count_compiles(quick: bool) -> int:
         shape, slopes_2d, scale = check_varlen_inputs(q, k, v, cu, None, slopes, None)
 
         def packed(q, k, v, s, *, causal, cu=cu, shape=shape, slopes_2d=slopes_2d, scale=scale):
-            return at._AlibiAttention.apply(q, k, v, slopes_2d, causal, scale, cu, shape.max_seqlen)
+            return at.triton_call(q, k, v, slopes_2d, causal, scale, cu, shape.max_seqlen)
 
         with at.captured_launches() as captured:
             attention_cases.forward_backward(packed, q, k, v, do, slopes, causal=case[3])

@@ -14,7 +14,7 @@ from attention_cases import FP32_GRAD_RTOL, NEEDS_INTERPRETER, assert_fp32_close
 from test_attention_varlen import NAMES, make_packed, reference_varlen
 
 import alibi_kernels.attention_torch as attention_torch
-from alibi_kernels import alibi_attention
+from alibi_kernels import alibi_attention, alibi_attention_varlen
 from alibi_kernels.attention import starts_to_offsets
 
 ROWS = [[5, 11, 32], [48], [1, 1, 46]]
@@ -93,6 +93,32 @@ def test_each_path_is_one_graph_forward_and_backward(backend, documents):
     explained = torch._dynamo.explain(attend)(*inputs)
     torch._dynamo.reset()
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), [b.reason for b in explained.break_reasons]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_documents_given_max_seqlen_are_one_graph(backend):
+    """`alibi_attention_varlen` with max_seqlen given: on the Triton path the same operators, so no host read and
+    one graph, forward and backward (the torch path reads cu_seqlens on the host, a break there by design)."""
+    lengths = [n for r in ROWS for n in r]
+    q, k, v, do, slopes, cu = make_packed(lengths, 4, 2, 16)
+
+    def attend(q, k, v, s):
+        return alibi_attention_varlen(q, k, v, cu, max(lengths), s, backend=backend)
+
+    results = []
+    for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=backend == "triton")):
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, slopes)]
+        out = fn(*inputs)
+        out.backward(do)
+        results.append([out.detach(), *(x.grad for x in inputs)])
+    torch._dynamo.reset()
+    for name, got, expected in zip(["out", *NAMES], results[1], results[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+    if backend == "triton":
+        explained = torch._dynamo.explain(attend)(q, k, v, slopes)
+        torch._dynamo.reset()
+        breaks = [b.reason for b in explained.break_reasons]
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), breaks
 
 
 def test_a_start_past_its_query_is_the_query_itself():

@@ -270,24 +270,28 @@ class _Layout:
         return (heads, self.q_len) if self.varlen else (self.n_seq * heads, self.q_len)
 
 
+def _constants(layout: _Layout, q: torch.Tensor, causal: bool) -> dict:
+    """The compile-time arguments every kernel of one call shares."""
+    d = q.shape[-1]
+    return {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "IS_CAUSAL": causal, "VARLEN": layout.varlen,
+            **_dot_options(q.dtype)}  # fmt: skip
+
+
+def _kernel_offsets(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    # The kernels take a cu_seqlens argument whether or not they are VARLEN; a dense call's is never read.
+    return torch.empty(1, device=q.device, dtype=torch.int32) if cu_seqlens is None else cu_seqlens
+
+
 def _forward(q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None):
     """Run the forward kernel: (out, lse), out contiguous in q's layout, lse float32 as the backward reads it."""
     layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
-    if cu_seqlens is None:
-        cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)  # never read without VARLEN
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    cu_seqlens = _kernel_offsets(q, cu_seqlens)
+    hq, hkv = q.shape[1], k.shape[1]
     slopes32 = slopes_2d.detach().to(torch.float32).contiguous()  # (1 or B, Hq)
     stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, Tq, D) or (total, Hq, D)
     lse = torch.empty(layout.lse_shape(hq), device=q.device, dtype=torch.float32)
-    block_d = triton.next_power_of_2(d)
-    common = {
-        "HEAD_DIM": d,
-        "BLOCK_D": block_d,
-        "IS_CAUSAL": causal,
-        "VARLEN": layout.varlen,
-        **_dot_options(q.dtype),
-    }
+    common = _constants(layout, q, causal)
     t_bucket = _t_bucket(layout.grid_q, layout.grid_k)
 
     def grid(meta):
@@ -308,24 +312,16 @@ def _backward(do, q, k, v, out, lse, slopes_2d, causal: bool, scale: float, slop
     """Run the two backward kernels: (dq, dk, dv, dslopes), dslopes in slopes_2d's shape and dtype (None unless
     `slope_grad`)."""
     layout = _Layout.of(q, k, cu_seqlens, max_seqlen)
-    if cu_seqlens is None:
-        cu_seqlens = torch.empty(1, device=q.device, dtype=torch.int32)
+    cu_seqlens = _kernel_offsets(q, cu_seqlens)
     slopes32 = slopes_2d.detach().to(torch.float32).contiguous()
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    block_d = triton.next_power_of_2(d)
     stride_sb = 0 if slopes32.shape[0] == 1 else slopes32.stride(0)
     delta = (out.float() * do.float()).sum(-1)  # (B, Hq, Tq) or (total, Hq)
     delta = delta.t().contiguous() if layout.varlen else delta.reshape(lse.shape)  # lse's layout
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous, as the kernels write it
     dk = torch.empty(k.shape, device=q.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=v.dtype)
-    common = {
-        "HEAD_DIM": d,
-        "BLOCK_D": block_d,
-        "IS_CAUSAL": causal,
-        "VARLEN": layout.varlen,
-        **_dot_options(q.dtype),
-    }
+    common = _constants(layout, q, causal)
     st = layout.strides
     strides = (*st(q), *st(k), *st(v), *st(do), stride_sb, slopes32.stride(1))
     scales = (scale, scale * LOG2E, _t_bucket(layout.grid_q, layout.grid_k))
@@ -363,32 +359,13 @@ def _backward(do, q, k, v, out, lse, slopes_2d, causal: bool, scale: float, slop
     return dq, dk, dv, dslopes
 
 
-class _AlibiAttention(torch.autograd.Function):
-    """The kernels inside one autograd Function: `alibi_attention_varlen` (packed documents, host offsets) and the
-    ahead-of-time fit check (compile_fit), which captures its launches."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None):
-        out, lse = _forward(q, k, v, slopes_2d, causal, scale, cu_seqlens, max_seqlen)
-        ctx.save_for_backward(q, k, v, out, lse, slopes_2d, cu_seqlens)
-        ctx.causal, ctx.scale, ctx.max_seqlen = causal, scale, max_seqlen
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse, slopes_2d, cu_seqlens = ctx.saved_tensors
-        grads = _backward(
-            do, q, k, v, out, lse, slopes_2d, ctx.causal, ctx.scale, ctx.needs_input_grad[3], cu_seqlens, ctx.max_seqlen
-        )
-        return (*grads, None, None, None, None)
-
-
-# `alibi_attention` on the Triton path, with or without document_starts, is one custom operator for the forward and
-# one for the backward: torch.compile records each call as one node of its graph and never traces the launch code,
-# which reads tensor metadata and, for documents, the offsets on the host (a graph break were it traced). The
-# document offsets are computed inside the forward operator (one device-to-host copy per call) and handed to the
-# backward as outputs: cu_seqlens padded to B * T + 1 entries and, on the host, (documents, longest document).
-_NO_OFFSETS = (0,)
+# Every call of the Triton path (`alibi_attention` with or without document_starts, `alibi_attention_varlen`) is one
+# custom operator for the forward and one for the backward: torch.compile records each call as one node of its graph
+# and never traces the launch code, which reads tensor metadata and, for documents, the offsets on the host (a graph
+# break were it traced). Document offsets are computed inside the forward operator (one device-to-host copy per
+# call) and handed to the backward as outputs: cu_seqlens (padded to B * T + 1 entries for document_starts) and, on
+# the host, (documents, longest document); a dense call's are empty.
+_EMPTY = (0,)
 
 
 @torch.library.custom_op("alibi_kernels::triton_attention", mutates_args=())
@@ -398,32 +375,39 @@ def _attention_op(
     v: torch.Tensor,
     slopes_2d: torch.Tensor,
     document_starts: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, cu_seqlens, counts). Dense: q (B, Hq, Tq, D). Documents: q (B * T, Hq, D), rows packed one after
-    the other, and document_starts (B, T)."""
-    if document_starts is None:
+    the other, and document_starts (B, T). Packed: q (total, Hq, D), cu_seqlens (int32, checked) and max_seqlen."""
+    if document_starts is None and cu_seqlens is None:
         out, lse = _forward(q, k, v, slopes_2d, causal, scale)
-        return out, lse, q.new_empty(_NO_OFFSETS, dtype=torch.int32), torch.empty(_NO_OFFSETS, dtype=torch.int64)
-    from alibi_kernels.attention import starts_to_offsets
+        return out, lse, q.new_empty(_EMPTY, dtype=torch.int32), torch.empty(_EMPTY, dtype=torch.int64)
+    if cu_seqlens is None:
+        from alibi_kernels.attention import starts_to_offsets
 
-    cu_seqlens, max_seqlen = starts_to_offsets(document_starts)
+        assert document_starts is not None
+        cu_seqlens, max_seqlen = starts_to_offsets(document_starts)
+        offsets = torch.full((q.shape[0] + 1,), q.shape[0], device=q.device, dtype=torch.int32)
+        offsets[: cu_seqlens.numel()] = cu_seqlens
+    else:
+        offsets = cu_seqlens.clone()  # an operator's output may not alias its input
     out, lse = _forward(q, k, v, slopes_2d, causal, scale, cu_seqlens, max_seqlen)
-    padded = torch.full((q.shape[0] + 1,), q.shape[0], device=q.device, dtype=torch.int32)
-    padded[: cu_seqlens.numel()] = cu_seqlens
-    return out, lse, padded, torch.tensor([cu_seqlens.numel() - 1, max_seqlen], dtype=torch.int64)
+    return out, lse, offsets, torch.tensor([cu_seqlens.numel() - 1, max_seqlen], dtype=torch.int64)
 
 
 @_attention_op.register_fake
-def _(q, k, v, slopes_2d, document_starts, causal, scale):
+def _(q, k, v, slopes_2d, document_starts, cu_seqlens, max_seqlen, causal, scale):
     hq = q.shape[1]
-    if document_starts is None:
+    if document_starts is None and cu_seqlens is None:
         lse = q.new_empty((q.shape[0] * hq, q.shape[2]), dtype=torch.float32)
-        offsets = q.new_empty(_NO_OFFSETS, dtype=torch.int32), torch.empty(_NO_OFFSETS, dtype=torch.int64)
+        offsets = q.new_empty(_EMPTY, dtype=torch.int32), torch.empty(_EMPTY, dtype=torch.int64)
     else:
         lse = q.new_empty((hq, q.shape[0]), dtype=torch.float32)
-        offsets = q.new_empty((q.shape[0] + 1,), dtype=torch.int32), torch.empty((2,), dtype=torch.int64)
+        size = q.shape[0] + 1 if cu_seqlens is None else cu_seqlens.shape[0]
+        offsets = q.new_empty((size,), dtype=torch.int32), torch.empty((2,), dtype=torch.int64)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse, *offsets
 
 
@@ -448,17 +432,17 @@ def _attention_backward_op(
         documents, max_seqlen = (int(c) for c in counts.tolist())  # a host tensor: no device read
         offsets = cu_seqlens[: documents + 1], max_seqlen
     dq, dk, dv, dslopes = _backward(do, q, k, v, out, lse, slopes_2d, causal, scale, slope_grad, *offsets)
-    return dq, dk, dv, dslopes if dslopes is not None else slopes_2d.new_empty(_NO_OFFSETS)
+    return dq, dk, dv, dslopes if dslopes is not None else slopes_2d.new_empty(_EMPTY)
 
 
 @_attention_backward_op.register_fake
 def _(do, q, k, v, out, lse, slopes_2d, cu_seqlens, counts, causal, scale, slope_grad):
-    dslopes = torch.empty_like(slopes_2d) if slope_grad else slopes_2d.new_empty(_NO_OFFSETS)
+    dslopes = torch.empty_like(slopes_2d) if slope_grad else slopes_2d.new_empty(_EMPTY)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dslopes
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, slopes_2d, _, causal, scale = inputs
+    q, k, v, slopes_2d, _, _, _, causal, scale = inputs
     out, lse, cu_seqlens, counts = output
     ctx.save_for_backward(q, k, v, out, lse, slopes_2d, cu_seqlens, counts)
     ctx.causal, ctx.scale = causal, scale
@@ -470,7 +454,7 @@ def _attention_grad(ctx, do, *_):
     dq, dk, dv, dslopes = _attention_backward_op(
         do.contiguous(), q, k, v, out, lse, slopes_2d, cu_seqlens, counts, ctx.causal, ctx.scale, slope_grad
     )
-    return dq, dk, dv, dslopes if slope_grad else None, None, None, None
+    return dq, dk, dv, dslopes if slope_grad else None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_setup_context)
@@ -510,7 +494,7 @@ def triton_attention_checked(
 ) -> torch.Tensor:
     """The Triton path on inputs `check_attention_inputs` already validated (the dispatcher checks once)."""
     _check_runnable(q)
-    return _attention_op(q, k, v, slopes_2d, None, causal, scale)[0]
+    return triton_call(q, k, v, slopes_2d, causal, scale)
 
 
 def triton_documents_checked(
@@ -527,7 +511,7 @@ def triton_documents_checked(
     _check_runnable(q)
     b, hq, t, d = q.shape
     qp, kp, vp = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (q, k, v))  # (B * T, H, D), row after row
-    out = _attention_op(qp, kp, vp, slopes_2d, document_starts, causal, scale)[0]
+    out = _attention_op(qp, kp, vp, slopes_2d, document_starts, None, 0, causal, scale)[0]
     return out.reshape(b, t, hq, d).transpose(1, 2)
 
 
@@ -543,7 +527,18 @@ def triton_varlen_checked(
 ) -> torch.Tensor:
     """Packed documents on the Triton path, inputs already checked by `check_varlen_inputs`: (total, Hq, D)."""
     _check_runnable(q)
-    return _AlibiAttention.apply(q, k, v, slopes_2d, causal, scale, cu_seqlens.contiguous(), max_seqlen)
+    return triton_call(q, k, v, slopes_2d, causal, scale, cu_seqlens, max_seqlen)
+
+
+def triton_call(q, k, v, slopes_2d, causal: bool, scale: float, cu_seqlens=None, max_seqlen=None) -> torch.Tensor:
+    """The operator on checked inputs, dense or (with cu_seqlens and max_seqlen) packed: what the public functions
+    call, and what compile_fit and tools/gpu_check_kernels.py capture the launches of."""
+    if cu_seqlens is None:
+        return _attention_op(q, k, v, slopes_2d, None, None, 0, causal, scale)[0]
+    if max_seqlen is None:
+        raise ValueError("a packed call needs max_seqlen (check_varlen_inputs gives it)")
+    cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    return _attention_op(q, k, v, slopes_2d, None, cu_seqlens, max_seqlen, causal, scale)[0]
 
 
 def _check_runnable(q: torch.Tensor) -> None:
