@@ -1,7 +1,7 @@
 """A DeepSpeed JIT build killed midway leaves torch's extension lock behind (a file that records no owner); every
 later `lmtrain train --engine deepspeed` then waited on it forever without a word. It now stops at once with one
-line naming the lock and the `rm` that clears it, on one rank and on both ranks of a torchrun job, and leaves the
-lock for the user to remove."""
+line naming the lock and the `rm` that clears it, on one rank and on each rank of a torchrun job that gets there
+before torchrun stops it, and leaves the lock for the user to remove."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_a_stale_extension_lock_stops_a_deepspeed_start_in_one_line(prepared, tm
     except subprocess.TimeoutExpired:
         pytest.fail("the DeepSpeed start waited on the stale extension lock")
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("lmtrain train: error: ")]
-    assert proc.returncode != 0 and len(errors) == nproc, proc.stderr[-4000:]
+    # Each rank checks on its own; torchrun stops the others when the first exits, sometimes before they print.
+    assert proc.returncode != 0 and 1 <= len(errors) <= nproc, proc.stderr[-4000:]
     assert all(f"stale lock of a torch extension build that was killed: {lock}" in e for e in errors), errors
     assert all(f"rm {lock}" in e for e in errors)
     assert "[rank0]: Traceback" not in proc.stderr and lock.exists()
