@@ -25,7 +25,7 @@ KIT = REPO / "tools" / "cluster-3090"
 LAUNCH = KIT / "launch.sh"
 
 STUB_TORCHRUN = """#!{python}
-import json, os, signal, sys, tempfile
+import json, os, signal, sys, tempfile, time
 from pathlib import Path
 fd, _ = tempfile.mkstemp(prefix="torchrun.", suffix=".json", dir=os.environ["STUB_LOG"])
 with os.fdopen(fd, "w") as f:
@@ -36,8 +36,8 @@ if os.environ.get("STUB_UNTIL_SIGNAL"):  # a run that stops on the first signal 
     signal.signal(signal.SIGTERM, lambda s, _: received.append(signal.Signals(s).name))
     signal.signal(signal.SIGINT, lambda s, _: received.append(signal.Signals(s).name))
     (log / "ready").write_text(str(os.getpid()))
-    while not received:
-        signal.pause()
+    while not received:  # not signal.pause(): a signal between this check and the pause would leave it waiting
+        time.sleep(0.05)
     (log / "received").write_text(json.dumps(received))
     if os.environ["STUB_UNTIL_SIGNAL"] == "saved":
         out = Path(sys.argv[sys.argv.index("--out") + 1])
