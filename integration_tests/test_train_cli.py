@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import read_metrics, run_lmtrain
 
 from lmtrain.planner import RULE
@@ -35,8 +36,16 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     assert result.stdout.count("torch engine") == 1  # one fit()
     lrs = {r["step"]: r["lr"] for r in read_metrics(run) if "lr" in r}
     peak = max(lrs, key=lambda step: (lrs[step], -step))  # the first step at the highest rate
+    before_peak = [lr for step, lr in sorted(lrs.items()) if step <= peak]
     after_peak = [lr for step, lr in sorted(lrs.items()) if step >= peak]
+    assert before_peak == sorted(before_peak)  # warmup: never down
     assert after_peak == sorted(after_peak, reverse=True)  # warmup, stable, decay: never up again
+    # The stable phase is the configured rate exactly: from one step past warmup (a logged step may carry the rate of
+    # the step before) to one step before the earliest decay any plan set.
+    cfg = info["train_config"]
+    assert lrs[peak] == pytest.approx(cfg["lr"])
+    stable_end = min(p["decay_from"] for p in plans)
+    assert all(lr == pytest.approx(cfg["lr"]) for step, lr in lrs.items() if cfg["warmup_steps"] < step < stable_end)
     if summary["step"] > plans[-1]["decay_from"] + 1:
         assert lrs[max(lrs)] < max(lrs.values())  # the planned decay happened
     evals = [r for r in read_metrics(run) if "eval_loss" in r]
