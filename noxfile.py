@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -33,6 +34,7 @@ import urllib.request
 from pathlib import Path
 
 import nox
+from nox.virtualenv import VirtualEnv
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parent
@@ -175,6 +177,7 @@ def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
     command (one the tree still has), commit, load and processor (tools/check_doc_figures.py); mypy (mypy.ini) over
     the six packages, installed with their dependencies so that the types they use are checked too."""
+    _asked_python(session)
     _torch_index(session)
     session.install("ruff>=0.6")
     session.run("ruff", "check", ".")
@@ -188,6 +191,7 @@ def lint(session: nox.Session) -> None:
 def version_ranges(session: nox.Session) -> None:
     """Every sibling version range admits the sibling's current version; every documented `pip install packages/...`
     line names the directories of all the siblings it needs and only extras that exist."""
+    _asked_python(session)
     session.install("packaging>=23", "tomli>=1.1; python_version < '3.11'")
     session.run("python", "tools/check_version_ranges.py")
     session.run("python", "tools/check_install_docs.py")
@@ -206,7 +210,9 @@ def _install_sets(version: tuple[int, int]) -> dict[str, list[str]]:
 
 
 def _venv_python(session: nox.Session) -> tuple[int, int]:
-    """The (major, minor) of the session venv's interpreter."""
+    """The (major, minor) of the session venv's interpreter (with --no-venv, of the one running nox)."""
+    if not session.bin_paths:
+        return sys.version_info[0], sys.version_info[1]
     code = "import sys; print(*sys.version_info[:2])"
     major, minor = session.run("python", "-c", code, silent=True).split()
     return int(major), int(minor)
@@ -216,6 +222,26 @@ def _demo_requirements(version: tuple[int, int]) -> list[str]:
     """lmtrain with the hf extra, so that the `lmtrain export` the demo prints next works as printed; without it where
     the extra cannot install (Python 3.10)."""
     return _with_siblings("lmtrain", ["hf"] if version >= HF_MIN_PYTHON else None)
+
+
+def _asked_python(session: nox.Session) -> None:
+    """Make the session's venv again where another Python made it. nox reuses a venv whatever made it (its optional
+    staleness check compares the venv with itself): `python3.13 -m nox -s demo` after a run on 3.12 went on on 3.12,
+    and a Python upgraded under an old .nox/ never reached the sessions."""
+    if not session.bin_paths:  # --no-venv
+        return
+    named = session.python if isinstance(session.python, str) else f"{sys.version_info[0]}.{sys.version_info[1]}"
+    version = re.fullmatch(r"(?:python)?(\d+\.\d+)", named)
+    held = "{}.{}".format(*_venv_python(session))
+    if version is None or held == version.group(1):  # a path or another kind of name: nox's to check
+        return
+    asked = version.group(1)
+    venv, where = session.virtualenv, os.path.relpath(session.virtualenv.location, ROOT)
+    if not isinstance(venv, VirtualEnv):  # a conda env, say: not ours to remake
+        session.error(f"{where} holds Python {held}, not {asked}: run again with --reuse-venv=no")
+    session.log(f"{where} holds Python {held}, this run asks for {asked}: making it again")
+    venv.reuse_existing = False
+    venv.create()
 
 
 def _local_torch_wheels(session: nox.Session, into: Path) -> list[str]:
@@ -248,6 +274,7 @@ def resolve(session: nox.Session) -> None:
     machine fails here. pip's configuration and environment are ignored (--isolated and no config file). Torch's
     CPU build comes from TORCH_INDEX or, where that does not answer, from the same wheel in pip's find-links; the
     session says which, and what resolved."""
+    _asked_python(session)
     if TORCH_INDEX and _answers(TORCH_INDEX):
         source = ["--extra-index-url", TORCH_INDEX]
     else:
@@ -278,6 +305,7 @@ def resolve(session: nox.Session) -> None:
 def package(session: nox.Session, dist: str) -> None:
     """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
     its doctests."""
+    _asked_python(session)
     _torch_index(session)
     # A reused venv already holds this version: reinstall so that it gets today's code.
     session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
@@ -291,6 +319,7 @@ def package(session: nox.Session, dist: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
+    _asked_python(session)
     _torch_index(session)
     editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
@@ -317,7 +346,8 @@ def integration(session: nox.Session) -> None:
     deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
     # The fine-tuning workflow test scores generations (eval --prompts: sacrebleu, rouge-score).
     scorers = pyproject("lmtrain")["project"]["optional-dependencies"]["eval"]
-    session.install(*deepspeed, *scorers, *TEST_TOOLS)
+    # nox: test_nox_demo.py runs the demo session on what this one installed.
+    session.install(*deepspeed, *scorers, *TEST_TOOLS, "nox>=2024.4")
     _pytest(session, "integration_tests")
 
 
@@ -326,6 +356,7 @@ def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU. The hf extra comes with it, so
     that the `lmtrain export` the demo prints next works as printed; on Python 3.10, where it cannot install, the demo
     runs without it."""
+    _asked_python(session)
     _torch_index(session)
     version = _venv_python(session)
     if version < HF_MIN_PYTHON:
@@ -335,10 +366,12 @@ def demo(session: nox.Session) -> None:
     # lmtrain gets the PATH of the shell that ran nox, not the session's (nox puts this venv's bin/ first, whatever
     # env= says, hence `env`): the commands it prints next then name the lmtrain that shell reaches, the full path
     # here, and run as printed there.
-    lmtrain = str(Path(session.bin) / "lmtrain")
+    # With --no-venv --no-install (integration_tests/test_nox_demo.py), the lmtrain of the Python running nox.
+    bin_dir = Path(session.bin) if session.bin_paths else Path(sys.executable).parent
+    lmtrain = str(bin_dir / "lmtrain")
     session.run("env", f"PATH={os.environ.get('PATH', '')}", lmtrain, "demo", *session.posargs, external=True)
-    session.log(f"lmtrain is in {Path(session.bin) / 'lmtrain'} (source {Path(session.bin) / 'activate'} to put it on "
-                "PATH); `nox -s clean` removes this and every other nox venv")  # fmt: skip
+    session.log(f"lmtrain is in {lmtrain} (source {bin_dir / 'activate'} to put it on PATH); `nox -s clean` removes "
+                "this and every other nox venv")  # fmt: skip
 
 
 @nox.session(python=False)
@@ -365,6 +398,7 @@ def deepspeed_lower_bound(session: nox.Session) -> None:
 
     Not in CI: CI tests the pinned version (tools/constraints-cpu.txt).
     """
+    _asked_python(session)
     _torch_index(session)
     req = next(Requirement(r) for r in pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"])
     version = session.posargs[0] if session.posargs else next(s.version for s in req.specifier if s.operator == ">=")
@@ -400,6 +434,7 @@ def transformers_lower_bound(session: nox.Session) -> None:
 
     Not in CI: CI tests the newest release pip finds.
     """
+    _asked_python(session)
     _torch_index(session)
     req = Requirement(pyproject("lmcore")["project"]["optional-dependencies"]["hf"][0])  # transformers
     version = session.posargs[0] if session.posargs else next(s.version for s in req.specifier if s.operator == ">=")
@@ -415,6 +450,7 @@ def transformers_lower_bound(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run every package benchmark and the headline TinyShakespeare benchmark; print their tables."""
+    _asked_python(session)
     _torch_index(session)
     session.install(*_with_siblings("lmtrain", ["deepspeed"]), "tokenizers")
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py"))

@@ -1,0 +1,73 @@
+"""The noxfile as the README's commands use it. `python3 -m nox -s demo` as far as the noxfile decides it: the session
+run with --no-venv --no-install on the packages this environment holds (making nox's venv and pip's install are
+theirs), from a shell whose PATH does not reach lmtrain, and the commands the demo prints next run as printed in that
+shell. And a session's venv that another Python made is made again on the Python nox runs on."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_nox_demo_session_prints_next_commands_that_run_as_printed(tmp_path):
+    here = Path(sys.executable).parent
+    env = child_env()
+    # The user's shell: PATH without this environment's bin/, so a bare `lmtrain` would not be found.
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p and Path(p).resolve() != here.resolve())
+    assert shutil.which("lmtrain", path=env["PATH"]) is None
+    out = tmp_path / "demo"
+    nox = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--no-venv", "--no-install", "-s", "demo",
+           "--", "--time-budget", "6", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(nox, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert "Session demo was successful" in log and f"lmtrain is in {here / 'lmtrain'}" in log
+    assert "lmtrain: run finished" in result.stdout and (out / "run" / "loss.png").is_file()
+    printed = result.stdout[result.stdout.index("next:\n") :].splitlines()[1:]
+    follow = [line.strip() for line in printed if line.startswith("  ")]
+    assert [line.split()[:2] for line in follow] == [[str((here / "lmtrain").resolve()), verb] for verb in
+                                                     ("generate", "eval", "export")], printed  # fmt: skip
+    for line in follow:
+        ran = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert ran.returncode == 0, f"{line}\n{ran.stdout[-2000:]}\n{ran.stderr[-2000:]}"
+    assert (out / "hf" / "config.json").is_file()
+
+
+def _version(python: str | None) -> str | None:
+    """'3.12' for an interpreter that runs, else None (a pyenv shim of a version not selected exits 127)."""
+    if python is None:
+        return None
+    ran = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sep='.')"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    return ran.stdout.strip() if ran.returncode == 0 else None
+
+
+def test_a_venv_another_python_made_is_made_again(tmp_path):
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = [(v, str(p)) for v in ("3.10", "3.11", "3.12", "3.13") if v != here
+             for p in [shutil.which(f"python{v}"), *sorted(pyenv.glob(f"{v}.*/bin/python{v}"))] if p]  # fmt: skip
+    other = next((python for v, python in found if _version(python) == v), None)
+    if other is None:
+        pytest.skip(f"no Python 3.10-3.13 but {here} on PATH or under {pyenv} to make the stale venv with")
+    venv = tmp_path / "envs" / "version_ranges"
+    # A venv as nox makes it (virtualenv, nox's default backend), by another Python: nox itself would reuse it.
+    subprocess.run([sys.executable, "-m", "virtualenv", "-p", other, str(venv)], check=True, timeout=300,
+                   capture_output=True)  # fmt: skip
+    held = _version(str(venv / "bin" / "python"))
+    nox = [sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "--envdir", str(venv.parent), "-s",
+           "version_ranges"]  # fmt: skip
+    result = subprocess.run(nox, env=child_env(), capture_output=True, text=True, timeout=900)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert re.search(rf"version_ranges holds Python {held}, this run asks for {here}: making it again", log), log
+    assert _version(str(venv / "bin" / "python")) == here
