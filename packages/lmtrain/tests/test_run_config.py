@@ -1,6 +1,7 @@
 """`lmtrain train --config run.toml`, `--print-config` and run.json read back: one run file, flags over it."""
 
 import json
+import subprocess
 
 import pytest
 from trained_runs import tiny_run
@@ -186,9 +187,11 @@ def test_the_printed_export_line_says_what_it_needs_where_transformers_is_missin
     missing = lambda name, *a: None if name == "transformers" else real(name, *a)  # noqa: E731
     monkeypatch.setattr(importlib.util, "find_spec", missing)
     monkeypatch.setattr(sys, "version_info", (3, 10, 13, "final", 0))
-    needs = "(export to Hugging Face formats needs transformers: its hf extra needs Python 3.11 or newer"
+    needs = "# export to Hugging Face formats needs transformers: its hf extra needs Python 3.11 or newer"
     for commands in (next_commands(tmp_path, meta), _next_commands(tmp_path)):
-        assert commands[-1].startswith(needs) and not any(" export " in c for c in commands)
+        assert commands[-1].startswith(needs) and not any(" export " in c for c in commands[:-1])
+        for line in commands:  # each line of the list is shell a user can paste: the note is a comment
+            assert subprocess.run(["bash", "-n", "-c", line]).returncode == 0, line
 
 
 def test_the_printed_config_shows_what_the_run_will_use_with_or_without_data(run, tmp_path, capsys, monkeypatch):

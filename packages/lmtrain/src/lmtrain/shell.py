@@ -27,7 +27,7 @@ def lmtrain_command() -> str:
 
 def export_next(command: str, run: str, out: str) -> str:
     """The `export` line of a "next" list (`run` and `out` already quoted): the command, or, where transformers
-    cannot be imported here, what it needs instead, so that no line printed as a command fails as printed.
+    cannot be imported here, a shell comment saying what it needs, so that every line of the list runs as printed.
 
     Example:
         >>> export_next("lmtrain", "runs/a", "DIR")  # with the hf extra installed
@@ -38,7 +38,7 @@ def export_next(command: str, run: str, out: str) -> str:
     if importlib.util.find_spec("transformers") is None:
         from lmcore.extras import extra_hint
 
-        return f"(export to Hugging Face formats needs transformers: {extra_hint('hf', 'lmtrain')})"
+        return f"# export to Hugging Face formats needs transformers: {extra_hint('hf', 'lmtrain')}"
     return f"{command} export --run {run} --out {out}"
 
 
