@@ -3,8 +3,8 @@
 `nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges and
 install lines, the pins resolved against the public indexes, each package alone,
 integration). `nox -s demo` trains the embedded default.
-Sessions reuse their virtual environments (the integration one starts fresh each time);
-`nox -s clean` removes them all (.nox/).
+Sessions reuse their virtual environments (the integration one starts fresh each time, and one
+that another Python made is made again); `nox -s clean` removes them all (.nox/).
 
 Sessions name a package by its directory under packages/ (`package(dist='tokbin')`);
 four distributions carry the `lmtools-` prefix because their import names belong to

@@ -1,7 +1,8 @@
 """The noxfile as the README's commands use it. `python3 -m nox -s demo` as far as the noxfile decides it: the session
 run with --no-venv --no-install on the packages this environment holds (making nox's venv and pip's install are
 theirs), from a shell whose PATH does not reach lmtrain, and the commands the demo prints next run as printed in that
-shell. And a session's venv that another Python made is made again on the Python nox runs on."""
+shell, also after a second demo into the same directory. And a session's venv that another Python made is made again
+on the Python nox runs on."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ def test_the_nox_demo_session_prints_next_commands_that_run_as_printed(tmp_path)
         ran = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert ran.returncode == 0, f"{line}\n{ran.stdout[-2000:]}\n{ran.stderr[-2000:]}"
     assert (out / "hf" / "config.json").is_file()
+    # The demo again into the same directory redoes the run; the export line it prints replaces the first export.
+    again = subprocess.run([str(here / "lmtrain"), "demo", "--time-budget", "3", "--out", str(out)], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    (export,) = [line.strip() for line in again.stdout.splitlines() if line.startswith("  ") and " export " in line]
+    ran = subprocess.run(export, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, f"{export}\n{ran.stderr[-2000:]}"
 
 
 def _version(python: str | None) -> str | None:

@@ -125,7 +125,8 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{reach}next:\n"
         f"  {command} generate --run {shlex.quote(str(run))} --prompt 'def main():' --seed 0\n"
         f"  {command} eval --run {shlex.quote(str(run))} --text {shlex.quote(str(data / 'val.txt'))}\n"
-        f"  {export_next(command, shlex.quote(str(run)), shlex.quote(str(out / 'hf')))}"
+        # A demo run again into the same directory redid the run: its export line replaces the last one's export.
+        f"  {export_next(command, shlex.quote(str(run)), shlex.quote(str(out / 'hf')), replace=(out / 'hf').exists())}"
     )
     return 0
 
@@ -163,5 +164,5 @@ def run_base_demo(args: argparse.Namespace) -> int:
           f"heldout_prompts.jsonl, generations-*.jsonl, finetune/). next:\n"
           f"  {command} eval --run {ft} --prompts {shlex.quote(str(out / 'heldout_prompts.jsonl'))}\n"
           f"  {command} generate --run {ft} --chat --prompt 'def square(x):'\n"
-          f"  {export_next(command, ft, shlex.quote(str(out / 'hf')))}")  # fmt: skip
+          f"  {export_next(command, ft, shlex.quote(str(out / 'hf')), replace=(out / 'hf').exists())}")  # fmt: skip
     return 0

@@ -25,9 +25,10 @@ def lmtrain_command() -> str:
     return f"{shlex.quote(sys.executable)} -m lmtrain"
 
 
-def export_next(command: str, run: str, out: str) -> str:
+def export_next(command: str, run: str, out: str, *, replace: bool = False) -> str:
     """The `export` line of a "next" list (`run` and `out` already quoted): the command, or, where transformers
     cannot be imported here, a shell comment saying what it needs, so that every line of the list runs as printed.
+    `replace`: `out` holds an earlier export the command must replace (--force), e.g. a demo's of the run it redid.
 
     Example:
         >>> export_next("lmtrain", "runs/a", "DIR")  # with the hf extra installed
@@ -39,7 +40,7 @@ def export_next(command: str, run: str, out: str) -> str:
         from lmcore.extras import extra_hint
 
         return f"# export to Hugging Face formats needs transformers: {extra_hint('hf', 'lmtrain')}"
-    return f"{command} export --run {run} --out {out}"
+    return f"{command} export --run {run} --out {out}" + (" --force" if replace else "")
 
 
 def kit_file(name: str) -> str:
