@@ -72,6 +72,27 @@ def test_pieces_and_workers_give_the_whole_text_ids(tmp_path, lossless_model, co
         assert TokenFile(tmp_path / "p3000w2.bin").n_docs > 100
 
 
+def test_the_worker_pool_forks_a_process_without_threads(tmp_path, lossless_model, corpus):
+    # In a fresh interpreter: the threads alive when the pool forks its workers (tqdm's monitor thread did).
+    script = f"""
+import threading
+from multiprocessing import pool
+from tokbin import encode_files
+seen, init = [], pool.Pool.__init__
+def recording(self, *args, **kwargs):
+    seen.append(sorted(t.name for t in threading.enumerate()))
+    init(self, *args, **kwargs)
+pool.Pool.__init__ = recording
+for progress, out in ((False, "a.bin"), (True, "b.bin")):
+    encode_files({str(lossless_model)!r}, [{str(corpus)!r}], {str(tmp_path)!r} + "/" + out, piece_bytes=4096,
+                 workers=2, progress=progress)
+print(seen)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.strip() == str([["MainThread"], ["MainThread"]]), ran.stdout
+
+
 def test_a_document_longer_than_a_piece_is_one_document(tmp_path, lossless_model, corpus, sp):
     tf = encode_files(lossless_model, [corpus], tmp_path / "o.bin", piece_bytes=1024, workers=2, progress=False)
     assert corpus.stat().st_size > 100 * 1024
