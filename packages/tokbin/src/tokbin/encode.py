@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from tokbin.bar import Bar
 from tokbin.documents import ERRORS, DocOptions, HashSplit, Part, PieceResult, crc32_combine, encode_piece
 from tokbin.errors import TokenFileError
 from tokbin.fileformat import dtype_for_vocab
@@ -152,7 +152,7 @@ class _Job:
     workers: int
     dtype: np.dtype
     parquet_column: str | None
-    bar: tqdm
+    bar: Bar
 
     def results(self, start: Position | None = None) -> Iterator[tuple[Piece, PieceResult]]:
         pieces = read_pieces(self.paths, self.read_opts, start or Position(), parquet_column=self.parquet_column)
@@ -266,7 +266,7 @@ def encode_inputs(
     vocab, sha = tok.vocab_size, tok.sha256
     dtype = dtype_for_vocab(vocab)
     total = None if any(compression(p) for p in paths) else sum(p.stat().st_size for p in paths)
-    bar = _Bar(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
+    bar = Bar(total=total, unit="B", unit_scale=True, desc="encode", disable=not progress)
     job = _Job(paths, read_opts, doc_opts, tok, workers, dtype, parquet_column, bar)
     try:
         if shard_bytes is None:
@@ -292,14 +292,6 @@ def encode_inputs(
         return _encode_shards(out, job, fingerprint, header)
     finally:
         bar.close()
-
-
-class _Bar(tqdm):
-    """tqdm without its monitor thread, which its first bar starts: the worker pool forks after the bar exists, and
-    the fork of a process with threads may deadlock the children (Python 3.12+ warns). The bar moves with each piece,
-    so the monitor's check for a stalled bar has nothing to do."""
-
-    monitor_interval = 0
 
 
 def _check_output(out: Path, paths: list[Path], tokenizer: Path | None, *, sharded: bool) -> None:

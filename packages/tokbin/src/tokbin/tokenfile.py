@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
 
+from tokbin.bar import Bar
 from tokbin.errors import TokenFileError
 from tokbin.fileformat import (
     HEADER_SIZE,
@@ -261,7 +261,7 @@ class TokenFile:
         h = self.header
         digest = new_data_hash()
         max_id = -1
-        bar = tqdm(total=h.n_tokens, unit="tok", unit_scale=True, desc="verify", disable=not progress)
+        bar = Bar(total=h.n_tokens, unit="tok", unit_scale=True, desc="verify", disable=not progress)
         for lo in range(0, h.n_tokens, _VERIFY_CHUNK):
             chunk = np.asarray(self.tokens[lo : lo + _VERIFY_CHUNK])
             digest.update(chunk.data.cast("B"))

@@ -168,7 +168,7 @@ def _run_with_elapsed_bar(fn: Callable[[], None], desc: str) -> None:
     """Run ``fn`` in a thread while a tqdm bar ticks; SentencePiece's trainer releases the GIL, so the bar moves."""
     import threading
 
-    from tqdm import tqdm
+    from tokbin.bar import Bar
 
     errors: list[BaseException] = []
 
@@ -179,7 +179,7 @@ def _run_with_elapsed_bar(fn: Callable[[], None], desc: str) -> None:
             errors.append(e)
 
     thread = threading.Thread(target=target, name="spm-train", daemon=True)
-    with tqdm(desc=desc, bar_format="{desc}: {elapsed} elapsed") as bar:
+    with Bar(desc=desc, bar_format="{desc}: {elapsed} elapsed") as bar:
         thread.start()
         while thread.is_alive():
             thread.join(0.25)
