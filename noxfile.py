@@ -346,7 +346,7 @@ def integration(session: nox.Session) -> None:
     deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
     # The fine-tuning workflow test scores generations (eval --prompts: sacrebleu, rouge-score).
     scorers = pyproject("lmtrain")["project"]["optional-dependencies"]["eval"]
-    # nox: test_nox_demo.py runs the demo session on what this one installed.
+    # nox: test_noxfile.py runs the demo session on what this one installed.
     session.install(*deepspeed, *scorers, *TEST_TOOLS, "nox>=2024.4")
     _pytest(session, "integration_tests")
 
@@ -366,7 +366,7 @@ def demo(session: nox.Session) -> None:
     # lmtrain gets the PATH of the shell that ran nox, not the session's (nox puts this venv's bin/ first, whatever
     # env= says, hence `env`): the commands it prints next then name the lmtrain that shell reaches, the full path
     # here, and run as printed there.
-    # With --no-venv --no-install (integration_tests/test_nox_demo.py), the lmtrain of the Python running nox.
+    # With --no-venv --no-install (integration_tests/test_noxfile.py), the lmtrain of the Python running nox.
     bin_dir = Path(session.bin) if session.bin_paths else Path(sys.executable).parent
     lmtrain = str(bin_dir / "lmtrain")
     session.run("env", f"PATH={os.environ.get('PATH', '')}", lmtrain, "demo", *session.posargs, external=True)
