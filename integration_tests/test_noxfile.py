@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,16 @@ def _version(python: str | None) -> str | None:
     return ran.stdout.strip() if ran.returncode == 0 else None
 
 
-def test_a_venv_another_python_made_is_made_again(tmp_path):
+@pytest.fixture
+def short_dir():
+    """A directory with a short path: nox hashes a venv's name where the path would pass 87 characters, as pytest's
+    tmp_path under a pytest-xdist worker can, and then would not find the venv the test made."""
+    made = Path(tempfile.mkdtemp(prefix="nox-"))
+    yield made
+    shutil.rmtree(made, ignore_errors=True)
+
+
+def test_a_venv_another_python_made_is_made_again(short_dir):
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     found = [(v, str(p)) for v in ("3.10", "3.11", "3.12", "3.13") if v != here
@@ -67,7 +77,7 @@ def test_a_venv_another_python_made_is_made_again(tmp_path):
     other = next((python for v, python in found if _version(python) == v), None)
     if other is None:
         pytest.skip(f"no Python 3.10-3.13 but {here} on PATH or under {pyenv} to make the stale venv with")
-    venv = tmp_path / "envs" / "version_ranges"
+    venv = short_dir / "envs" / "version_ranges"
     # A venv as nox makes it (virtualenv, nox's default backend), by another Python: nox itself would reuse it.
     subprocess.run([sys.executable, "-m", "virtualenv", "-p", other, str(venv)], check=True, timeout=300,
                    capture_output=True)  # fmt: skip
