@@ -1,8 +1,8 @@
 """Every way to install, test, lint and benchmark the toolkit.
 
-`nox -l` lists the sessions. `nox -t ci` is what CI runs (lint, version ranges and
-install lines, the pins resolved against the public indexes, each package alone,
-integration). `nox -s demo` trains the embedded default.
+`nox -l` lists the sessions. `nox -t ci --parallel 2` is what CI runs (integration, each
+package alone, lint, version ranges and install lines, the pins resolved against the public
+indexes; two sessions at a time, longest first). `nox -s demo` trains the embedded default.
 Sessions reuse their virtual environments (the integration one starts fresh each time, and one
 that another Python made is made again); `nox -s clean` removes them all (.nox/).
 
@@ -24,6 +24,7 @@ those found on PATH; `nox --force-python 3.12 ...` picks one.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import re
@@ -46,6 +47,11 @@ from check_install_docs import install_lines, pyproject, siblings  # noqa: E402
 
 # Directories under packages/, in dependency order: a package comes after every sibling it depends on.
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
+# The order the CI sessions start in (`nox -t ci`; the session definitions below follow it): longest first, so that
+# with two at a time (--parallel 2) neither slot ends long after the other. Integration (about 25 minutes alone on 2
+# cores) and the package sessions of lmtrain (15) and trainloop (25) lead; integration and trainloop are not the first
+# pair, so that the second of them to build DeepSpeed's ops takes them from ccache.
+CI_ORDER = ["lmtrain", "trainloop", "alibi-kernels", "lmcore", "tokbin", "gpumon"]
 # The extras each package's own tests exercise for real (a test hides each module to check the missing-extra error).
 TEST_EXTRAS = {
     # parquet: Parquet and zstd input are read through pyarrow; hf: tokenizer.json through `tokenizers`
@@ -80,15 +86,20 @@ def _session_python() -> str | None:
 
 PYTHON = _session_python()
 
+# The CI sessions may run two at a time (`nox -t ci --parallel 2`, nox 2026.8.10 and later): each has a venv, a
+# tmp/ and an extension cache of its own. An older nox runs them one at a time.
+PARALLEL = {"allow_parallel": True} if "allow_parallel" in inspect.signature(nox.session).parameters else {}
+
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
 # pip reads PIP_CONSTRAINT (and PIP_EXTRA_INDEX_URL, see _torch_index) in every pip it starts, build environments
 # included, so a package built from its sdist gets the same pins.
 os.environ["PIP_CONSTRAINT"] = CONSTRAINTS
-# No byte-compiling at install: torch alone has thousands of modules, and a fresh session installs it in 31 s with
-# compilation against 13 s without; Python compiles what the tests import, once.
-os.environ.setdefault("PIP_NO_COMPILE", "1")
+# pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (container images often set it)
+# Python writes no bytecode of its own, and each process would compile torch's modules afresh. Measured on AMD EPYC,
+# 2 vCPUs: `import torch` 4.5-5.1 s with the bytecode, 10.4-11.6 s without; a two-rank DDP test 27 s against 70 s.
+os.environ.pop("PIP_NO_COMPILE", None)
 os.environ.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
 
 TEST_ENV = {
@@ -97,7 +108,15 @@ TEST_ENV = {
     "PYTHONHASHSEED": "0",
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
 }
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "packaging>=23"]
+TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "packaging>=23"]
+# pytest-xdist workers per test run (LMTOOLS_TEST_WORKERS; 0, the default: none, the tests in pytest's own process).
+# CI runs two sessions at once instead (`nox -t ci --parallel 2`), which also overlaps one session's installs with the
+# other's tests. Two workers alone, measured on AMD EPYC, 2 vCPUs, against the sequential runs of a CI log:
+# alibi-kernels 284 s -> 197 s, trainloop 1398 s -> 1303 s (1.9 cores busy), integration 1385 s -> 1067 s.
+TEST_WORKERS = os.environ.get("LMTOOLS_TEST_WORKERS", "0")
+# A test that runs past this many seconds is taken as hung: it fails with every thread's stack, rather than the CI
+# run timing out with no word of where.
+TEST_TIMEOUT_S = os.environ.get("LMTOOLS_TEST_TIMEOUT_S", "1500")
 # What a package's tests compare against, never a dependency of the package: tokbin's chat templates and tokenizer
 # files are checked against transformers' own apply_chat_template and AutoTokenizer.
 TEST_REFERENCES = {"tokbin": ["transformers>=5.24,<6"]}
@@ -160,41 +179,45 @@ def _test_env(session: nox.Session) -> dict[str, str]:
     return {**TEST_ENV, "TORCH_EXTENSIONS_DIR": str(Path(session.virtualenv.location) / "torch_extensions")}
 
 
+# DeepSpeed's ops that the tests JIT-compile on the CPU: async I/O (NVMe offload; needs libaio), pinned host memory, the
+# shared-memory collective of two ranks on one host.
+DEEPSPEED_OPS = ("AsyncIOBuilder", "PinMemoryBuilder", "ShareMemCommBuilder")
+
+
+def _deepspeed_ops(session: nox.Session) -> None:
+    """Build DeepSpeed's ops into the session's extension cache before its tests, at the session's start: two sessions
+    run at once in CI, and the second to compile then takes every object from ccache (.ci/run) rather than compiling
+    the same 17 objects beside the first (about 7 minutes of both cores). An op that cannot build here is left to the
+    tests, which skip or fail with the reason."""
+    code = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        f"for name in {DEEPSPEED_OPS!r}:\n"
+        "    builder = get_accelerator().create_op_builder(name)\n"
+        "    if builder is None or not builder.is_compatible(verbose=False):\n"
+        "        print(f'{name}: not buildable here, left to the tests')\n"
+        "        continue\n"
+        "    try:\n"
+        "        builder.load(verbose=False)\n"
+        "        print(f'{name}: built')\n"
+        "    except Exception as error:\n"
+        "        print(f'{name}: did not build ({type(error).__name__}: {error}), left to the tests')\n"
+    )
+    session.run("python", "-c", code, env=_test_env(session))
+
+
 def _pytest(session: nox.Session, *paths: str) -> None:
     # nox fails the session on any non-zero exit, pytest's 5 ("no tests collected") included. The slowest tests are
-    # listed at the end, so that a CI run that grows shows where.
-    session.run("pytest", "--durations=10", "--durations-min=5", *paths, *session.posargs, env=_test_env(session))
+    # listed at the end, so that a CI run that grows shows where. --dist loadgroup keeps the tests marked with one
+    # xdist_group on one worker (alibi-kernels' cases that share compiled kernels).
+    workers = ["-n", TEST_WORKERS, "--dist", "loadgroup"] if TEST_WORKERS not in ("", "0") else []
+    session.run("pytest", "--durations=10", "--durations-min=5", f"--timeout={TEST_TIMEOUT_S}", *workers, *paths,
+                *session.posargs, env=_test_env(session))  # fmt: skip
 
 
 def _doctests(session: nox.Session, dist: str) -> None:
     """The docstring examples of the package as installed. --pyargs collects the modules where `import` finds them;
     collecting src/ by path would import a second copy of a package installed non-editable."""
     _pytest(session, "--doctest-modules", "--pyargs", dist.replace("-", "_"))
-
-
-@nox.session(python=PYTHON, tags=["ci"])
-def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
-    command (one the tree still has), commit, load and processor (tools/check_doc_figures.py); mypy (mypy.ini) over
-    the six packages, installed with their dependencies so that the types they use are checked too."""
-    _asked_python(session)
-    _torch_index(session)
-    session.install("ruff>=0.6")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
-    session.run("python", "tools/check_doc_figures.py")
-    session.install("mypy>=1.10", *[arg for p in PACKAGES for arg in ("-e", _path(p))])
-    session.run("mypy", "--config-file", "mypy.ini", *[f"packages/{p}/src" for p in PACKAGES])
-
-
-@nox.session(python=PYTHON, tags=["ci"])
-def version_ranges(session: nox.Session) -> None:
-    """Every sibling version range admits the sibling's current version; every documented `pip install packages/...`
-    line names the directories of all the siblings it needs and only extras that exist."""
-    _asked_python(session)
-    session.install("packaging>=23", "tomli>=1.1; python_version < '3.11'")
-    session.run("python", "tools/check_version_ranges.py")
-    session.run("python", "tools/check_install_docs.py")
 
 
 def _install_sets(version: tuple[int, int]) -> dict[str, list[str]]:
@@ -267,7 +290,96 @@ def _local_torch_wheels(session: nox.Session, into: Path) -> list[str]:
     return found
 
 
-@nox.session(python=PYTHON, tags=["ci"])
+def _holds_ours(session: nox.Session) -> bool:
+    """Whether the session's venv holds one of the packages already (a venv reused from an earlier run)."""
+    if not session.bin_paths:  # --no-venv: whatever the interpreter holds
+        return True
+    names = {pyproject(p)["project"]["name"].replace("-", "_").lower() for p in PACKAGES}
+    found = Path(session.virtualenv.location).glob("lib*/python*/site-packages/*.dist-info")
+    return any(d.name.split("-")[0].lower() in names for d in found)
+
+
+@nox.session(python=PYTHON, tags=["ci"], reuse_venv=False, **PARALLEL)
+def integration(session: nox.Session) -> None:
+    """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
+    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
+    among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
+    _torch_index(session)
+    _documented_install(session, ROOT / "README.md")
+    listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
+    if foreign:
+        session.error(f"an unrelated project's distribution got installed: {', '.join(foreign)}")
+    session.run("python", "-c", "import alibi_kernels, gpumon, lmcore, lmtrain, tokbin, trainloop")
+    session.run("lmtrain", "--help", silent=True)
+    # The two-rank tests need DeepSpeed (in the extra's range) whether or not the README's line brought it.
+    deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
+    # The fine-tuning workflow test scores generations (eval --prompts: sacrebleu, rouge-score).
+    scorers = pyproject("lmtrain")["project"]["optional-dependencies"]["eval"]
+    # nox: test_noxfile.py runs the demo session on what this one installed.
+    session.install(*deepspeed, *scorers, *TEST_TOOLS, "nox>=2024.4")
+    _deepspeed_ops(session)
+    _pytest(session, "integration_tests")
+
+
+@nox.session(python=PYTHON, tags=["ci"], **PARALLEL)
+@nox.parametrize("dist", CI_ORDER)
+def package(session: nox.Session, dist: str) -> None:
+    """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
+    its doctests."""
+    _asked_python(session)
+    _torch_index(session)
+    # A reused venv already holds this version: reinstall so that it gets today's code (a new venv holds nothing).
+    if _holds_ours(session):
+        session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
+    _documented_install(session, PACKAGES_DIR / dist / "README.md")
+    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS, *TEST_REFERENCES.get(dist, []))
+    if "deepspeed" in TEST_EXTRAS.get(dist, []):
+        _deepspeed_ops(session)
+    session.chdir(PACKAGES_DIR / dist)
+    _pytest(session, "tests")
+    _doctests(session, dist)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
+    _asked_python(session)
+    _torch_index(session)
+    editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
+    session.install(*editable, *TEST_TOOLS, "tokenizers")
+    for dist in PACKAGES:
+        session.chdir(PACKAGES_DIR / dist)
+        _pytest(session, "tests")
+        _doctests(session, dist)
+
+
+@nox.session(python=PYTHON, tags=["ci"], **PARALLEL)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree; every table of measured figures in the docs names its
+    command (one the tree still has), commit, load and processor (tools/check_doc_figures.py); mypy (mypy.ini) over
+    the six packages, installed with their dependencies so that the types they use are checked too."""
+    _asked_python(session)
+    _torch_index(session)
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_doc_figures.py")
+    session.install("mypy>=1.10", *[arg for p in PACKAGES for arg in ("-e", _path(p))])
+    session.run("mypy", "--config-file", "mypy.ini", *[f"packages/{p}/src" for p in PACKAGES])
+
+
+@nox.session(python=PYTHON, tags=["ci"], **PARALLEL)
+def version_ranges(session: nox.Session) -> None:
+    """Every sibling version range admits the sibling's current version; every documented `pip install packages/...`
+    line names the directories of all the siblings it needs and only extras that exist."""
+    _asked_python(session)
+    session.install("packaging>=23", "tomli>=1.1; python_version < '3.11'")
+    session.run("python", "tools/check_version_ranges.py")
+    session.run("python", "tools/check_install_docs.py")
+
+
+@nox.session(python=PYTHON, tags=["ci"], **PARALLEL)
 def resolve(session: nox.Session) -> None:
     """pip's resolver, as a dry run that installs nothing, on the demo's install set and on the union of the tests'
     ones, with this file's constraints, from PyPI alone plus torch's CPU build: a pin that cannot resolve on a stock
@@ -298,57 +410,6 @@ def resolve(session: nox.Session) -> None:
         }
         pinned = ", ".join(f"{n} {chosen[n]}" for n in ("torch", "triton", "deepspeed") if n in chosen)
         session.log(f"{name}: {len(chosen)} distributions resolve ({pinned})")
-
-
-@nox.session(python=PYTHON, tags=["ci"])
-@nox.parametrize("dist", PACKAGES)
-def package(session: nox.Session, dist: str) -> None:
-    """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
-    its doctests."""
-    _asked_python(session)
-    _torch_index(session)
-    # A reused venv already holds this version: reinstall so that it gets today's code.
-    session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
-    _documented_install(session, PACKAGES_DIR / dist / "README.md")
-    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS, *TEST_REFERENCES.get(dist, []))
-    session.chdir(PACKAGES_DIR / dist)
-    _pytest(session, "tests")
-    _doctests(session, dist)
-
-
-@nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
-    _asked_python(session)
-    _torch_index(session)
-    editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
-    session.install(*editable, *TEST_TOOLS, "tokenizers")
-    for dist in PACKAGES:
-        session.chdir(PACKAGES_DIR / dist)
-        _pytest(session, "tests")
-        _doctests(session, dist)
-
-
-@nox.session(python=PYTHON, tags=["ci"], reuse_venv=False)
-def integration(session: nox.Session) -> None:
-    """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
-    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
-    among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
-    _torch_index(session)
-    _documented_install(session, ROOT / "README.md")
-    listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
-    foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
-    if foreign:
-        session.error(f"an unrelated project's distribution got installed: {', '.join(foreign)}")
-    session.run("python", "-c", "import alibi_kernels, gpumon, lmcore, lmtrain, tokbin, trainloop")
-    session.run("lmtrain", "--help", silent=True)
-    # The two-rank tests need DeepSpeed (in the extra's range) whether or not the README's line brought it.
-    deepspeed = pyproject("trainloop")["project"]["optional-dependencies"]["deepspeed"]
-    # The fine-tuning workflow test scores generations (eval --prompts: sacrebleu, rouge-score).
-    scorers = pyproject("lmtrain")["project"]["optional-dependencies"]["eval"]
-    # nox: test_noxfile.py runs the demo session on what this one installed.
-    session.install(*deepspeed, *scorers, *TEST_TOOLS, "nox>=2024.4")
-    _pytest(session, "integration_tests")
 
 
 @nox.session(python=PYTHON)
