@@ -43,7 +43,7 @@ PACKAGES_DIR = ROOT / "packages"
 CONSTRAINTS = os.environ.get("LMTOOLS_CONSTRAINTS", str(ROOT / "tools" / "constraints-cpu.txt"))
 sys.path.insert(0, str(ROOT / "tools"))
 from check_install_docs import PATH as DIRECTORY  # noqa: E402 - tools/ is not a package
-from check_install_docs import install_lines, pyproject, siblings  # noqa: E402
+from check_install_docs import directories, install_lines, pyproject, siblings  # noqa: E402
 
 # Directories under packages/, in dependency order: a package comes after every sibling it depends on.
 PACKAGES = ["alibi-kernels", "tokbin", "gpumon", "lmcore", "trainloop", "lmtrain"]
@@ -294,7 +294,7 @@ def _holds_ours(session: nox.Session) -> bool:
     """Whether the session's venv holds one of the packages already (a venv reused from an earlier run)."""
     if not session.bin_paths:  # --no-venv: whatever the interpreter holds
         return True
-    names = {pyproject(p)["project"]["name"].replace("-", "_").lower() for p in PACKAGES}
+    names = {name.replace("-", "_") for name in directories()}  # dist-info names spell them with underscores
     found = Path(session.virtualenv.location).glob("lib*/python*/site-packages/*.dist-info")
     return any(d.name.split("-")[0].lower() in names for d in found)
 
