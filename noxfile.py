@@ -74,6 +74,10 @@ TORCH_INDEX = os.environ.get("LMTOOLS_TORCH_INDEX", "https://download.pytorch.or
 PYPI = "https://pypi.org/simple"
 # transformers 5.24+, which the hf extras pin, is released for Python 3.11 and later only (on 3.10 pip finds none).
 HF_MIN_PYTHON = (3, 11)
+# The extras that sessions on an older Python install without: those that bring transformers. lm-eval (harness) would
+# bring 5.20.2, the newest for 3.10, under which 12 of lmtrain's export tests fail (`nox -s transformers_lower_bound`).
+# The tests of what they bring skip there, each saying why; so does tokbin's check against transformers.
+NEEDS_HF_PYTHON = {"lmcore": {"hf"}, "lmtrain": {"hf", "harness"}}
 
 
 def _session_python() -> str | None:
@@ -133,14 +137,49 @@ def _with_siblings(pkg: str, extras: list[str] | None = None) -> list[str]:
     return [_path(p, extras if p == pkg else None) for p in PACKAGES if p in needed or p == pkg]
 
 
-def _documented_install(session: nox.Session, readme: Path) -> None:
-    """Run the first `pip install packages/...` line of `readme` exactly as written (from the repository root)."""
+def _documented_install(session: nox.Session, readme: Path, version: tuple[int, int]) -> None:
+    """Run the first `pip install packages/...` line of `readme` as written (from the repository root); on a Python
+    older than HF_MIN_PYTHON, without the extras it cannot install (NEEDS_HF_PYTHON), saying so."""
     lines = install_lines(readme)
     if not lines:
         session.error(f"{readme.relative_to(ROOT)} has no `pip install packages/...` line in a code block")
     session.log(f"{readme.relative_to(ROOT)}: pip install {shlex.join(lines[0])}")
+    line = _installable(lines[0], version)
+    if line != lines[0]:
+        session.log(f"Python {version[0]}.{version[1]}: pip install {shlex.join(line)} (the hf extra needs "
+                    "transformers 5.24+, released for Python 3.11 and later)")  # fmt: skip
     session.chdir(ROOT)
-    session.run("python", "-m", "pip", "install", *lines[0])
+    session.run("python", "-m", "pip", "install", *line)
+
+
+def _installable(args: list[str], version: tuple[int, int]) -> list[str]:
+    """An install line's arguments, less the extras of NEEDS_HF_PYTHON where `version` is older than HF_MIN_PYTHON.
+
+    >>> _installable(["-c", "pins.txt", "packages/lmtrain[deepspeed,hf]"], (3, 10))
+    ['-c', 'pins.txt', 'packages/lmtrain[deepspeed]']
+    """
+    if version >= HF_MIN_PYTHON:
+        return args
+    kept = []
+    for arg in args:
+        match = DIRECTORY.match(arg)
+        if match and match.group(2):
+            extras = [e for e in match.group(2).split(",") if e not in NEEDS_HF_PYTHON.get(match.group(1), set())]
+            arg = f"packages/{match.group(1)}" + (f"[{','.join(extras)}]" if extras else "")
+        kept.append(arg)
+    return kept
+
+
+def _test_extras(dist: str, version: tuple[int, int]) -> list[str]:
+    """The extras `dist`'s tests install on Python `version` (TEST_EXTRAS, less NEEDS_HF_PYTHON's on an older one)."""
+    extras = TEST_EXTRAS.get(dist, [])
+    return extras if version >= HF_MIN_PYTHON else [e for e in extras if e not in NEEDS_HF_PYTHON.get(dist, set())]
+
+
+def _test_references(dist: str, version: tuple[int, int]) -> list[str]:
+    """What `dist`'s tests compare against on Python `version`: TEST_REFERENCES, all of it transformers 5.24+, which
+    an older Python than HF_MIN_PYTHON cannot install."""
+    return TEST_REFERENCES.get(dist, []) if version >= HF_MIN_PYTHON else []
 
 
 @functools.cache
@@ -223,8 +262,8 @@ def _doctests(session: nox.Session, dist: str) -> None:
 def _install_sets(version: tuple[int, int]) -> dict[str, list[str]]:
     """What the demo installs, and the union of what the test sessions install (each package with the extras its
     tests use and those of the README's install line, the test and lint tools): one requirement per directory."""
-    extras = {p: set(TEST_EXTRAS.get(p, [])) for p in PACKAGES}
-    for arg in install_lines(ROOT / "README.md")[0]:
+    extras = {p: set(_test_extras(p, version)) for p in PACKAGES}
+    for arg in _installable(install_lines(ROOT / "README.md")[0], version):
         match = DIRECTORY.match(arg)
         if match and match.group(1) in extras:
             extras[match.group(1)] |= set(filter(None, (match.group(2) or "").split(",")))
@@ -305,7 +344,7 @@ def integration(session: nox.Session) -> None:
     unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
     among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
     _torch_index(session)
-    _documented_install(session, ROOT / "README.md")
+    _documented_install(session, ROOT / "README.md", _venv_python(session))
     listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
     foreign = [line for line in listed.splitlines() if line.split("==")[0].lower() in FOREIGN]
     if foreign:
@@ -332,9 +371,11 @@ def package(session: nox.Session, dist: str) -> None:
     # A reused venv already holds this version: reinstall so that it gets today's code (a new venv holds nothing).
     if _holds_ours(session):
         session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
-    _documented_install(session, PACKAGES_DIR / dist / "README.md")
-    session.install(*_with_siblings(dist, TEST_EXTRAS.get(dist)), *TEST_TOOLS, *TEST_REFERENCES.get(dist, []))
-    if "deepspeed" in TEST_EXTRAS.get(dist, []):
+    version = _venv_python(session)
+    _documented_install(session, PACKAGES_DIR / dist / "README.md", version)
+    extras = _test_extras(dist, version)
+    session.install(*_with_siblings(dist, extras), *TEST_TOOLS, *_test_references(dist, version))
+    if "deepspeed" in extras:
         _deepspeed_ops(session)
     session.chdir(PACKAGES_DIR / dist)
     _pytest(session, "tests")
@@ -346,7 +387,8 @@ def tests(session: nox.Session) -> None:
     """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
     _asked_python(session)
     _torch_index(session)
-    editable = [arg for p in PACKAGES for arg in ("-e", _path(p, TEST_EXTRAS.get(p)))]
+    version = _venv_python(session)
+    editable = [arg for p in PACKAGES for arg in ("-e", _path(p, _test_extras(p, version)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
     for dist in PACKAGES:
         session.chdir(PACKAGES_DIR / dist)
@@ -385,9 +427,13 @@ def resolve(session: nox.Session) -> None:
     ones, with this file's constraints, from PyPI alone plus torch's CPU build: a pin that cannot resolve on a stock
     machine fails here. pip's configuration and environment are ignored (--isolated and no config file). Torch's
     CPU build comes from TORCH_INDEX or, where that does not answer, from the same wheel in pip's find-links; the
-    session says which, and what resolved."""
+    session says which, and what resolved. With other pins (LMTOOLS_CONSTRAINTS and no LMTOOLS_TORCH_INDEX, as in
+    _torch_index), everything comes from PyPI."""
     _asked_python(session)
-    if TORCH_INDEX and _answers(TORCH_INDEX):
+    if "LMTOOLS_CONSTRAINTS" in os.environ and "LMTOOLS_TORCH_INDEX" not in os.environ:
+        session.log(f"{CONSTRAINTS}: resolving from PyPI alone")
+        source = []
+    elif TORCH_INDEX and _answers(TORCH_INDEX):
         source = ["--extra-index-url", TORCH_INDEX]
     else:
         standin = Path(session.create_tmp()) / "torch-cpu-wheels"
