@@ -102,6 +102,20 @@ class _Payload:
         return (os.getpid, ())
 
 
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+def test_sharded_checkpoint_metadata_from_any_python_reads_its_paths(tmp_path, module):
+    """The metadata holds paths, which Python 3.13 pickles as pathlib._local's classes and earlier ones as pathlib's:
+    the reader takes both on any Python."""
+    import io
+    from pathlib import Path
+
+    from trainloop.fsdp_checkpoint import _MetadataUnpickler
+
+    # GLOBAL module.PosixPath, MARK, the string "shard", TUPLE, REDUCE, STOP: PosixPath("shard"), as either writes it.
+    data = f"c{module}\nPosixPath\n(X\x05\x00\x00\x00shardtR.".encode("latin-1")
+    assert _MetadataUnpickler(io.BytesIO(data)).load() == Path("shard")
+
+
 def test_sharded_checkpoint_files_are_read_without_running_code(tmp_path):
     import io
     import pickle

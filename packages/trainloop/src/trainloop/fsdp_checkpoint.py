@@ -62,6 +62,9 @@ _METADATA_CLASSES = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        # Python 3.13 defines (and pickles) the path classes in pathlib._local; earlier Pythons have no such module.
+        # Either spelling reads as pathlib's own class, so a checkpoint moves between Pythons both ways.
+        module = "pathlib" if module == "pathlib._local" else module
         if (module, name) in _METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                     torch.dtype)):  # fmt: skip
             return super().find_class(module, name)
