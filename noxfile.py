@@ -78,9 +78,11 @@ HF_MIN_PYTHON = (3, 11)
 # bring 5.20.2, the newest for 3.10, under which 12 of lmtrain's export tests fail (`nox -s transformers_lower_bound`).
 # The tests of what they bring skip there, each saying why; so does tokbin's check against transformers.
 NEEDS_HF_PYTHON = {"lmcore": {"hf"}, "lmtrain": {"hf", "harness"}}
-# The docstring examples that build or load a model with transformers, left out there too.
-HF_DOCTESTS = {"lmcore": ["lmcore.hf_import.from_hf", "lmcore.hf_mpt.mpt_config", "lmcore.hf_mpt.to_mpt",
-                          "lmcore.hf_mpt.to_peft"]}  # fmt: skip
+# The docstring examples that use transformers or lm-eval, left out there too.
+HF_DOCTESTS = {
+    "lmcore": ["lmcore.hf_import.from_hf", "lmcore.hf_mpt.mpt_config", "lmcore.hf_mpt.to_mpt", "lmcore.hf_mpt.to_peft"],
+    "lmtrain": ["lmtrain.export.export_run", "lmtrain.export.hf_tokenizer", "lmtrain.harness.run_lm"],
+}
 
 
 def _session_python() -> str | None:
@@ -263,7 +265,7 @@ def _doctests(session: nox.Session, dist: str, version: tuple[int, int]) -> None
     left_out = HF_DOCTESTS.get(dist, []) if version < HF_MIN_PYTHON else []
     if left_out:
         session.log(f"Python {version[0]}.{version[1]}: not running {', '.join(left_out)} (their examples use "
-                    "transformers, which the hf extra brings from Python 3.11)")  # fmt: skip
+                    "transformers or lm-eval, which the hf and harness extras bring from Python 3.11)")  # fmt: skip
     deselect = ["-k", " and ".join(f"not {name}" for name in left_out)] if left_out else []
     _pytest(session, "--doctest-modules", *deselect, "--pyargs", dist.replace("-", "_"))
 
