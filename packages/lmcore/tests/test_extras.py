@@ -10,6 +10,7 @@ from lmcore.extras import MissingExtraError, extra_hint, import_hf, install_hint
 @pytest.mark.parametrize("module", ["transformers", "peft", "transformers.models.mpt"])
 def test_missing_hf_library_is_one_line_naming_the_extra(module, monkeypatch):
     top = module.split(".")[0]
+    monkeypatch.setattr(sys, "version_info", (3, 11, 7, "final", 0))  # where the extra installs (the test below: 3.10)
     # the library looks uninstalled, submodules that earlier tests imported included
     for name in [m for m in sys.modules if m.split(".")[0] == top] or [top]:
         monkeypatch.setitem(sys.modules, name, None)
@@ -20,6 +21,7 @@ def test_missing_hf_library_is_one_line_naming_the_extra(module, monkeypatch):
 
 def test_the_app_names_its_own_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(sys, "version_info", (3, 11, 7, "final", 0))
     with pytest.raises(MissingExtraError, match=r"^lmtrain export needs transformers, .*lmtrain\[hf\]['\"]$"):
         import_hf("transformers", "lmtrain export", dist="lmtrain")
 
