@@ -20,9 +20,10 @@ def test_budgeted_run_replans_in_one_loop_and_keeps_the_best(prepared, tmp_path)
     summary = json.loads(result.stdout.strip().splitlines()[-1])["summary"]
     info = json.loads((run / "run.json").read_text())
     assert info["schedule"] == "budget"
-    # The plan read the passes over the data off the measured speed and chose the rule's regularisation for them.
+    # The plan read the passes over the data off the measured speed and chose the rule's regularisation for them. How
+    # many passes 25 s buy depends on the machine and its load (0.98 in one CI run beside other sessions).
     _, dropout, weight_decay = [row for row in RULE if info["plan"]["passes"] >= row[0]][-1]
-    assert info["plan"]["passes"] > 1 and "lmtrain: plan: the budget buys about" in result.stdout
+    assert info["plan"]["passes"] > 0 and "lmtrain: plan: the budget buys about" in result.stdout
     assert (info["model_config"]["dropout"], info["train_config"]["weight_decay"]) == (dropout, weight_decay)
     assert info["train_config"]["early_stopping_patience"] > 0
     assert f"stopped: {summary['stopped'] or 'planned end'} at step {summary['step']}, best at step" in result.stdout
