@@ -246,13 +246,18 @@ PY
 
 # torchrun runs as a job of its own (set -m: its own process group, so a Ctrl-C in this terminal reaches it once,
 # through the trap, not twice), and this script waits for it, passing on the signals a scheduler or a user sends.
+# The traps come first: a signal that arrives before torchrun's pid is known is held, and sent once it is (with the
+# traps set after the start, a scheduler's SIGTERM in between ended this script and left torchrun running alone).
 STARTED="$(date +%s)"
+AGENT="" HELD=""
+pass_on() { if [ -n "${AGENT}" ]; then kill "-$1" "${AGENT}" 2>/dev/null || true; else HELD="$1"; fi; }
+trap 'pass_on TERM' TERM HUP
+trap 'pass_on INT' INT
 set -m
 bash -c "${COMMAND}" &
 AGENT=$!
 set +m
-trap 'kill -TERM "${AGENT}" 2>/dev/null || true' TERM HUP
-trap 'kill -INT "${AGENT}" 2>/dev/null || true' INT
+[ -z "${HELD}" ] || kill "-${HELD}" "${AGENT}" 2>/dev/null || true
 while :; do
     status=0
     wait "${AGENT}" || status=$?
