@@ -229,24 +229,12 @@ DEEPSPEED_OPS = ("AsyncIOBuilder", "PinMemoryBuilder", "ShareMemCommBuilder")
 
 
 def _deepspeed_ops(session: nox.Session) -> None:
-    """Build DeepSpeed's ops into the session's extension cache before its tests, at the session's start: two sessions
-    run at once in CI, and the second to compile then takes every object from ccache (.ci/run) rather than compiling
-    the same 17 objects beside the first (about 7 minutes of both cores). An op that cannot build here is left to the
-    tests, which skip or fail with the reason."""
-    code = (
-        "from deepspeed.accelerator import get_accelerator\n"
-        f"for name in {DEEPSPEED_OPS!r}:\n"
-        "    builder = get_accelerator().create_op_builder(name)\n"
-        "    if builder is None or not builder.is_compatible(verbose=False):\n"
-        "        print(f'{name}: not buildable here, left to the tests')\n"
-        "        continue\n"
-        "    try:\n"
-        "        builder.load(verbose=False)\n"
-        "        print(f'{name}: built')\n"
-        "    except Exception as error:\n"
-        "        print(f'{name}: did not build ({type(error).__name__}: {error}), left to the tests')\n"
-    )
-    session.run("python", "-c", code, env=_test_env(session))
+    """Build DeepSpeed's ops into the session's extension cache before its tests (tools/build_deepspeed_ops.py). Two
+    sessions build them in CI; a lock in .nox/ makes the second wait for the first, then take every object from
+    ccache (.ci/run) rather than compile the same 17 objects beside it (about 7 minutes of both cores)."""
+    lock = ROOT / ".nox" / "deepspeed-ops.lock"
+    session.run("python", str(ROOT / "tools" / "build_deepspeed_ops.py"), "--lock", str(lock), *DEEPSPEED_OPS,
+                env=_test_env(session))  # fmt: skip
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
