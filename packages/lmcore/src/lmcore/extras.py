@@ -26,7 +26,7 @@ class MissingExtraError(ImportError):
 def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
     """Import ``transformers`` or ``peft`` (or one of their submodules) for ``purpose``, or raise
     :class:`MissingExtraError`: ``<purpose> needs transformers, which is not installed: pip install ...`` (the
-    line :func:`install_hint` gives).
+    line :func:`install_hint` gives; on Python 3.10, where the extra cannot install, what :func:`extra_hint` says).
 
     ``dist`` names the distribution whose ``hf`` extra the message tells to install (the app passes ``"lmtrain"``).
     An installed library that fails on one of its own imports keeps its original error.
@@ -37,7 +37,7 @@ def import_hf(module: str, purpose: str, dist: str = DIST) -> ModuleType:
         >>> with mock.patch.dict(sys.modules, peft=None):
         ...     import_hf("peft", "the PEFT adapter export")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        lmcore.extras.MissingExtraError: the PEFT adapter export needs peft, ...: pip install ...[hf]...
+        lmcore.extras.MissingExtraError: the PEFT adapter export needs peft, which is not installed: ...
     """
     return import_extra(module, "hf", purpose, dist)
 
