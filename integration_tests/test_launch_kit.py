@@ -329,8 +329,12 @@ def test_a_signal_reaches_torchrun_once_and_a_preempted_run_says_it_is_not_finis
         launch_env.pop(name, None)
     out = tmp_path / "run"
     cmd = ["bash", str(LAUNCH), "--data", "/d", "--out", str(out), "--hostfile", hostfile(tmp_path, "node1 slots=2\n")]
+    # As a terminal starts it: SIGINT at its default. A shell started with SIGINT ignored (a job that a non-interactive
+    # shell put in the background, as a CI runner may run the tests) cannot trap it, so a Ctrl-C would never reach
+    # torchrun, and the test would wait out its bound.
     proc = subprocess.Popen(cmd, env=launch_env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         ready, deadline = tmp_path / "log" / "ready", time.monotonic() + 120  # a bound on a hang, not a timing
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
