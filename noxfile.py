@@ -339,9 +339,10 @@ def _holds_ours(session: nox.Session) -> bool:
 
 @nox.session(python=PYTHON, tags=["ci"], reuse_venv=False, **PARALLEL)
 def integration(session: nox.Session) -> None:
-    """In a fresh venv, the README's install line exactly as written: all six import, `lmtrain --help` runs, and no
-    unrelated project's distribution under one of our import names got in; then integration_tests/ (with DeepSpeed),
-    among them the README's "First hour" commands as written (test_readme.py, tools/check_install_docs.py --run)."""
+    """In a fresh venv, the README's install line as written (on Python 3.10 without the hf extra, which it says):
+    all six import, `lmtrain --help` runs, and no unrelated project's distribution under one of our import names got
+    in; then integration_tests/ (with DeepSpeed), among them the README's "First hour" commands as written
+    (test_readme.py, tools/check_install_docs.py --run)."""
     _torch_index(session)
     _documented_install(session, ROOT / "README.md", _venv_python(session))
     listed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
