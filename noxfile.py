@@ -15,7 +15,7 @@ by accident: `tools/constraints-cpu.txt` by default, or the file named by
 `LMTOOLS_CONSTRAINTS` (a GPU host points it at its own pins). With the default pins the
 sessions add PyTorch's CPU index (`LMTOOLS_TORCH_INDEX`; empty: none) to pip's extra indexes
 when it answers, since the CPU build of torch is not on PyPI; `nox -s resolve` checks that the
-install sets resolve from PyPI and that index alone.
+install sets resolve from PyPI and that index alone, on each of 3.10-3.13 that the machine has.
 
 Sessions run on the Python that runs nox when it is one of 3.10-3.13, else on the newest of
 those found on PATH; `nox --force-python 3.12 ...` picks one.
@@ -30,8 +30,10 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import nox
@@ -285,24 +287,27 @@ def _demo_requirements(version: tuple[int, int]) -> list[str]:
     return _with_siblings("lmtrain", ["hf"] if version >= HF_MIN_PYTHON else None)
 
 
-def _asked_python(session: nox.Session) -> None:
-    """Make the session's venv again where another Python made it. nox reuses a venv whatever made it (its optional
-    staleness check compares the venv with itself): `python3.13 -m nox -s demo` after a run on 3.12 went on on 3.12,
-    and a Python upgraded under an old .nox/ never reached the sessions."""
+def _asked_python(session: nox.Session) -> tuple[int, int]:
+    """The (major, minor) of the session venv's Python, after making the venv again where another Python made it. nox
+    reuses a venv whatever made it (its optional staleness check compares the venv with itself): `python3.13 -m nox -s
+    demo` after a run on 3.12 went on on 3.12, and a Python upgraded under an old .nox/ never reached the sessions."""
+    held = _venv_python(session)
     if not session.bin_paths:  # --no-venv
-        return
+        return held
     named = session.python if isinstance(session.python, str) else f"{sys.version_info[0]}.{sys.version_info[1]}"
-    version = re.fullmatch(r"(?:python)?(\d+\.\d+)", named)
-    held = "{}.{}".format(*_venv_python(session))
-    if version is None or held == version.group(1):  # a path or another kind of name: nox's to check
-        return
-    asked = version.group(1)
+    version = re.fullmatch(r"(?:python)?(\d+)\.(\d+)", named)
+    if version is None:  # a path or another kind of name: nox's to check
+        return held
+    asked = (int(version.group(1)), int(version.group(2)))
+    if held == asked:
+        return held
     venv, where = session.virtualenv, os.path.relpath(session.virtualenv.location, ROOT)
     if not isinstance(venv, VirtualEnv):  # a conda env, say: not ours to remake
-        session.error(f"{where} holds Python {held}, not {asked}: run again with --reuse-venv=no")
-    session.log(f"{where} holds Python {held}, this run asks for {asked}: making it again")
+        session.error(f"{where} holds Python {held[0]}.{held[1]}, not {named}: run again with --reuse-venv=no")
+    session.log(f"{where} holds Python {held[0]}.{held[1]}, this run asks for {named}: making it again")
     venv.reuse_existing = False
     venv.create()
+    return asked
 
 
 def _local_torch_wheels(session: nox.Session, into: Path) -> list[str]:
@@ -366,12 +371,11 @@ def integration(session: nox.Session) -> None:
 def package(session: nox.Session, dist: str) -> None:
     """One package installed alone by its README's install line (plus the extras its tests use); its own tests and
     its doctests."""
-    _asked_python(session)
+    version = _asked_python(session)
     _torch_index(session)
     # A reused venv already holds this version: reinstall so that it gets today's code (a new venv holds nothing).
     if _holds_ours(session):
         session.install("--force-reinstall", "--no-deps", *_with_siblings(dist))
-    version = _venv_python(session)
     _documented_install(session, PACKAGES_DIR / dist / "README.md", version)
     extras = _test_extras(dist, version)
     session.install(*_with_siblings(dist, extras), *TEST_TOOLS, *_test_references(dist, version))
@@ -385,9 +389,8 @@ def package(session: nox.Session, dist: str) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Every package installed editable in one venv; all unit tests and doctests (the fast inner loop)."""
-    _asked_python(session)
+    version = _asked_python(session)
     _torch_index(session)
-    version = _venv_python(session)
     editable = [arg for p in PACKAGES for arg in ("-e", _path(p, _test_extras(p, version)))]
     session.install(*editable, *TEST_TOOLS, "tokenizers")
     for dist in PACKAGES:
@@ -428,34 +431,107 @@ def resolve(session: nox.Session) -> None:
     machine fails here. pip's configuration and environment are ignored (--isolated and no config file). Torch's
     CPU build comes from TORCH_INDEX or, where that does not answer, from the same wheel in pip's find-links; the
     session says which, and what resolved. With other pins (LMTOOLS_CONSTRAINTS and no LMTOOLS_TORCH_INDEX, as in
-    _torch_index), everything comes from PyPI."""
-    _asked_python(session)
+    _torch_index), everything comes from PyPI.
+
+    Each Python of PYTHONS that this machine has (_interpreter) resolves too, the session's pip running on it (pip
+    --python): markers, in the constraints and in what the packages require, are the target's own, which pip's
+    --python-version would not give. Where torch's CPU build comes from a local wheel, the other Pythons get that
+    wheel's requirements (_metadata_wheels). The session names the Pythons it could not find."""
+    version = _asked_python(session)
+    named = "{}.{}".format(*version)
+    found = {v: _interpreter(v) for v in PYTHONS if v != named}
+    missing = [v for v, exe in found.items() if exe is None]
+    if missing:
+        session.log(f"not checked: Python {', '.join(missing)} (neither python3.X on PATH nor among pyenv's versions)")
+    pythons = {named: "", **{v: exe for v, exe in found.items() if exe}}  # the session's own first, as is
+    tmp = Path(session.create_tmp())
     if "LMTOOLS_CONSTRAINTS" in os.environ and "LMTOOLS_TORCH_INDEX" not in os.environ:
         session.log(f"{CONSTRAINTS}: resolving from PyPI alone")
         source = []
     elif TORCH_INDEX and _answers(TORCH_INDEX):
         source = ["--extra-index-url", TORCH_INDEX]
     else:
-        standin = Path(session.create_tmp()) / "torch-cpu-wheels"
+        standin = tmp / "torch-cpu-wheels"
         standin.mkdir(exist_ok=True)
         wheels = _local_torch_wheels(session, standin)
         if not wheels:
             session.error(f"cannot check: {TORCH_INDEX or 'LMTOOLS_TORCH_INDEX'} does not answer and pip's find-links "
                           "hold no CPU wheel of the pinned torch for this Python")  # fmt: skip
         session.log(f"{TORCH_INDEX} does not answer: torch's CPU build from {', '.join(wheels)}, the rest from PyPI")
+        others = [f"cp{v.replace('.', '')}" for v in pythons if v != named]
+        if others:
+            made = _metadata_wheels(Path(wheels[0]), others, standin)
+            session.log(f"for the other Pythons, the requirements of {Path(wheels[0]).name}: {', '.join(made)}")
         source = ["--find-links", str(standin)]
-    env = {"PIP_CONFIG_FILE": os.devnull}  # pip reads it even under --isolated, which skips only the user's files
+    session.install("pip>=22.3")  # --python
     session.chdir(ROOT)
-    for name, requirements in _install_sets(_venv_python(session)).items():
-        report = Path(session.create_tmp()) / f"resolve-{name}.json"
-        session.run("python", "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
-                    "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report), *requirements,
-                    env=env)  # fmt: skip
-        chosen = {
-            i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
-        }
-        pinned = ", ".join(f"{n} {chosen[n]}" for n in ("torch", "triton", "deepspeed") if n in chosen)
-        session.log(f"{name}: {len(chosen)} distributions resolve ({pinned})")
+    for python, exe in pythons.items():
+        target = ["--python", exe] if exe else []
+        for name, requirements in _install_sets(_version(python)).items():
+            report = tmp / f"resolve-{name}-{python}.json"
+            session.run("python", "-m", "pip", *target, "install", "--isolated", "--dry-run", "--ignore-installed",
+                        "--quiet", "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report),
+                        *requirements, env={"PIP_CONFIG_FILE": os.devnull})  # fmt: skip
+            # pip reads PIP_CONFIG_FILE even under --isolated, which skips only the user's files
+            chosen = {
+                i["metadata"]["name"].lower(): i["metadata"]["version"]
+                for i in json.loads(report.read_text())["install"]
+            }
+            pinned = ", ".join(f"{n} {chosen[n]}" for n in ("torch", "triton", "deepspeed") if n in chosen)
+            session.log(f"Python {python}, {name}: {len(chosen)} distributions resolve ({pinned})")
+
+
+def _version(python: str) -> tuple[int, int]:
+    """`"3.10"` as `(3, 10)`."""
+    major, minor = python.split(".")
+    return int(major), int(minor)
+
+
+def _interpreter(python: str) -> str | None:
+    """A Python `python` ("3.10") that runs: python3.10 on PATH, else the newest 3.10.x of pyenv's versions (whose
+    shims answer only for the versions pyenv has selected); None where neither does."""
+    versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    pyenv = sorted(versions.glob(f"{python}.*/bin/python{python}"), key=lambda p: _patch(p.parent.parent.name))
+    for exe in [shutil.which(f"python{python}"), *map(str, reversed(pyenv))]:
+        if exe is None:
+            continue
+        try:
+            ran = subprocess.run([exe, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
+                                 text=True, timeout=60)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ran.returncode == 0 and ran.stdout.split() == python.split("."):
+            return exe
+    return None
+
+
+def _patch(name: str) -> int:
+    """The patch number of a pyenv version directory ("3.10.13": 13; -1 for "3.10-dev" and the like)."""
+    last = name.rsplit(".", 1)[-1]
+    return int(last) if last.isdigit() else -1
+
+
+def _metadata_wheels(source: Path, tags: list[str], into: Path) -> list[str]:
+    """For a dry run on other Pythons: a wheel per CPython tag in `tags` that holds only the .dist-info METADATA of
+    `source` (a cp311 wheel of torch's CPU build, say) under that tag, and no code; the names written.
+
+    Nothing installs from them: pip's --dry-run reads a wheel's metadata only. PyTorch builds one source for every
+    Python, and PyPI's torch 2.13.0 Linux wheels for cp310 to cp314 carry the same requirements (checked)."""
+    with zipfile.ZipFile(source) as whl:
+        metadata = next(n for n in whl.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+        text = whl.read(metadata)
+    info = metadata.split("/")[0]
+    name, version, *_, platform = source.name.removesuffix(".whl").split("-")
+    made = []
+    for tag in tags:
+        target = into / f"{name}-{version}-{tag}-{tag}-{platform}.whl"
+        header = f"Wheel-Version: 1.0\nGenerator: noxfile.py\nRoot-Is-Purelib: false\nTag: {tag}-{tag}-{platform}\n"
+        with zipfile.ZipFile(target, "w") as whl:
+            whl.writestr(f"{info}/METADATA", text)
+            whl.writestr(f"{info}/WHEEL", header)
+            whl.writestr(f"{info}/RECORD", f"{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+        made.append(target.name)
+    return made
 
 
 @nox.session(python=PYTHON)
@@ -463,9 +539,8 @@ def demo(session: nox.Session) -> None:
     """The main job: `lmtrain demo` trains a small model on an embedded corpus, on CPU. The hf extra comes with it, so
     that the `lmtrain export` the demo prints next works as printed; on Python 3.10, where it cannot install, the demo
     runs without it."""
-    _asked_python(session)
+    version = _asked_python(session)
     _torch_index(session)
-    version = _venv_python(session)
     if version < HF_MIN_PYTHON:
         session.log(f"Python {version[0]}.{version[1]}: without the hf extra (transformers 5.24+ needs Python 3.11); "
                     "the demo runs, and its export loads in transformers from Python 3.11")  # fmt: skip

@@ -6,6 +6,7 @@ on the Python nox runs on."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -58,10 +59,8 @@ def test_the_nox_demo_session_prints_next_commands_that_run_as_printed(tmp_path)
     assert ran.returncode == 0, f"{export}\n{ran.stderr[-2000:]}"
 
 
-def _version(python: str | None) -> str | None:
-    """'3.12' for an interpreter that runs, else None (a pyenv shim of a version not selected exits 127)."""
-    if python is None:
-        return None
+def _version(python: str) -> str | None:
+    """'3.12' for an interpreter that runs, else None."""
     ran = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2], sep='.')"], capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     return ran.stdout.strip() if ran.returncode == 0 else None
@@ -78,12 +77,10 @@ def short_dir():
 
 def test_a_venv_another_python_made_is_made_again(short_dir):
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    found = [(v, str(p)) for v in ("3.10", "3.11", "3.12", "3.13") if v != here
-             for p in [shutil.which(f"python{v}"), *sorted(pyenv.glob(f"{v}.*/bin/python{v}"))] if p]  # fmt: skip
-    other = next((python for v, python in found if _version(python) == v), None)
+    noxfile = _noxfile()
+    other = next(filter(None, (noxfile._interpreter(v) for v in noxfile.PYTHONS if v != here)), None)
     if other is None:
-        pytest.skip(f"no Python 3.10-3.13 but {here} on PATH or under {pyenv} to make the stale venv with")
+        pytest.skip(f"no Python 3.10-3.13 but {here} on PATH or among pyenv's versions to make the stale venv with")
     venv = short_dir / "envs" / "version_ranges"
     # A venv as nox makes it (virtualenv, nox's default backend), by another Python: nox itself would reuse it.
     subprocess.run([sys.executable, "-m", "virtualenv", "-p", other, str(venv)], check=True, timeout=300,
@@ -111,6 +108,70 @@ def test_an_older_python_installs_without_the_extras_that_need_transformers():
     older = noxfile._install_sets((3, 10))
     assert not [r for r in older["tests"] + older["demo"] if re.search(r"(lmcore|lmtrain)\[.*\b(hf|harness)\b", r)]
     assert any(re.search(r"lmtrain\[.*\bharness\b", r) for r in noxfile._install_sets((3, 11))["tests"])
+
+
+def _python(path: Path, prints: str, status: int = 0) -> None:
+    """An executable at `path` that stands for a Python: prints `prints` and exits with `status`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!/bin/sh\necho {prints}\nexit {status}\n")
+    path.chmod(0o755)
+
+
+def test_the_resolve_session_finds_each_python_that_runs(tmp_path, monkeypatch):
+    noxfile = _noxfile()
+    shims, versions = tmp_path / "shims", tmp_path / "pyenv" / "versions"
+    monkeypatch.setenv("PATH", str(shims))
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path / "pyenv"))
+    # pyenv's shim of a version it has not selected exits 127; the newest patch release that runs is taken.
+    _python(shims / "python3.12", "pyenv: python3.12: command not found", 127)
+    _python(versions / "3.12.9" / "bin" / "python3.12", "3 12")
+    _python(versions / "3.12.10" / "bin" / "python3.12", "3 12")
+    _python(versions / "3.12-dev" / "bin" / "python3.12", "3 12")
+    assert noxfile._interpreter("3.12") == str(versions / "3.12.10" / "bin" / "python3.12")
+    _python(versions / "3.12.10" / "bin" / "python3.12", "3 12", 1)
+    assert noxfile._interpreter("3.12") == str(versions / "3.12.9" / "bin" / "python3.12")
+    # One on PATH that runs comes first; one that is another version under the name is not taken.
+    _python(shims / "python3.12", "3 12")
+    assert noxfile._interpreter("3.12") == str(shims / "python3.12")
+    _python(shims / "python3.13", "3 11")
+    assert noxfile._interpreter("3.13") is None and noxfile._interpreter("3.10") is None
+
+
+def test_the_other_pythons_get_the_local_torch_wheels_requirements(tmp_path):
+    import zipfile
+    from urllib.parse import unquote
+
+    from packaging.utils import parse_wheel_filename
+
+    metadata = "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\nRequires-Dist: filelock\n"
+    source = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(source, "w") as whl:
+        whl.writestr("torch/__init__.py", "")
+        whl.writestr("torch-2.13.0+cpu.dist-info/METADATA", metadata)
+    into = tmp_path / "out"
+    into.mkdir()
+    made = _noxfile()._metadata_wheels(source, ["cp310", "cp313"], into)
+    assert made == [f"torch-2.13.0+cpu-{t}-{t}-manylinux_2_28_x86_64.whl" for t in ("cp310", "cp313")]
+    for name in made:
+        (tag,) = parse_wheel_filename(name)[3]
+        with zipfile.ZipFile(into / name) as whl:
+            assert whl.read("torch-2.13.0+cpu.dist-info/METADATA").decode() == metadata
+            assert (
+                f"Tag: {tag.interpreter}-{tag.abi}-{tag.platform}"
+                in whl.read("torch-2.13.0+cpu.dist-info/WHEEL").decode()
+            )
+            assert not [n for n in whl.namelist() if not n.startswith("torch-2.13.0+cpu.dist-info/")]
+    # pip takes one for its Python, as a dry run does: the tag and the requirements it reads.
+    report = tmp_path / "report.json"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-index", "--quiet",
+                    "--find-links", str(into), "--python-version", "3.13", "--only-binary=:all:", "--no-deps",
+                    "--target", str(tmp_path / "target"),
+                    "--report", str(report), "torch==2.13.0"], check=True, capture_output=True, timeout=300,
+                   env={**child_env(), "PIP_CONFIG_FILE": os.devnull})  # fmt: skip
+    (chosen,) = json.loads(report.read_text())["install"]
+    assert unquote(chosen["download_info"]["url"]).endswith(f"/{made[1]}") and chosen["metadata"]["requires_dist"] == [
+        "filelock"
+    ]
 
 
 def _noxfile():
