@@ -17,9 +17,12 @@ from conftest import child_env, read_metrics, run_lmtrain
 
 pytest.importorskip("deepspeed")
 
-# bf16 losses of the same run on 2 ranks, resumed on 1, against one process started and resumed alike: measured at
-# most 3.3e-4 relative; a resume that re-read trained-on windows (tokbin's re-split before the fix) was 7.5% off.
-BF16_RTOL = 5e-3
+# bf16 losses of the same run on 2 ranks, resumed on 1, against one process started and resumed alike. The corpus is
+# the running Python's standard library, so the figures move with the Python: at most 3.3e-4 relative on 3.11; on 3.12,
+# 9.0e-3 at step 14 (its gradient norm doubles at step 13, and bf16's rounding differences grow with it), where the
+# same runs in fp32 differ by 4.1e-6. A resume that re-read trained-on windows (tokbin's re-split before its fix) was
+# 7.5% off. The fp32 resume across world sizes is held to 1e-5 by trainloop's test_world_size_resume.py.
+BF16_RTOL = 2e-2
 
 
 def free_port() -> int:
