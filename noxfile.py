@@ -433,9 +433,9 @@ def resolve(session: nox.Session) -> None:
     session says which, and what resolved. With other pins (LMTOOLS_CONSTRAINTS and no LMTOOLS_TORCH_INDEX, as in
     _torch_index), everything comes from PyPI.
 
-    Each Python of PYTHONS that this machine has (_interpreter) resolves too, the session's pip running on it (pip
-    --python): markers, in the constraints and in what the packages require, are the target's own, which pip's
-    --python-version would not give. Where torch's CPU build comes from a local wheel, the other Pythons get that
+    Each Python of PYTHONS that this machine has (_interpreter) resolves the tests' set too, the session's pip running
+    on it (pip --python): markers, in the constraints and in what the packages require, are the target's own, which
+    pip's --python-version would not give. Where torch's CPU build comes from a local wheel, the other Pythons get that
     wheel's requirements (_metadata_wheels). The session names the Pythons it could not find."""
     version = _asked_python(session)
     named = "{}.{}".format(*version)
@@ -467,7 +467,10 @@ def resolve(session: nox.Session) -> None:
     session.chdir(ROOT)
     for python, exe in pythons.items():
         target = ["--python", exe] if exe else []
-        for name, requirements in _install_sets(_version(python)).items():
+        sets = _install_sets(_version(python))
+        if exe:  # another Python: the tests' set alone, which holds the demo's (a solution of it is one of the demo's)
+            del sets["demo"]
+        for name, requirements in sets.items():
             report = tmp / f"resolve-{name}-{python}.json"
             session.run("python", "-m", "pip", *target, "install", "--isolated", "--dry-run", "--ignore-installed",
                         "--quiet", "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report),
