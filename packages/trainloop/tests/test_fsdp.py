@@ -69,8 +69,9 @@ def test_fsdp_matches_the_single_process_torch_engine(reference, tmp_path):
     assert sorted(got) == sorted(want) and all(t.dtype == torch.float32 for t in got.values())
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
-    # ... and exactly the sharded parameters gathered whole.
-    assert tagged(out, "WEIGHTS")["max_abs_diff"] == 0.0
+    # ... and exactly the sharded parameters, each rank's shard against its region (summed over ranks: 0 only when
+    # every element is equal).
+    assert tagged(out, "WEIGHTS")["abs_diff"] == 0.0
     manifest = json.loads((ref_dir / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["engine"] == "fsdp" and manifest["world_size"] == 2
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "trainer.pt"} <= set(manifest["files"])
