@@ -272,12 +272,15 @@ def _install_sets(version: tuple[int, int]) -> dict[str, list[str]]:
     return {"demo": _demo_requirements(version), "tests": [_path(p, sorted(extras[p])) for p in PACKAGES] + tools}
 
 
+# What an interpreter runs to say its (major, minor): "3 11".
+PRINT_VERSION = "import sys; print(*sys.version_info[:2])"
+
+
 def _venv_python(session: nox.Session) -> tuple[int, int]:
     """The (major, minor) of the session venv's interpreter (with --no-venv, of the one running nox)."""
     if not session.bin_paths:
         return sys.version_info[0], sys.version_info[1]
-    code = "import sys; print(*sys.version_info[:2])"
-    major, minor = session.run("python", "-c", code, silent=True).split()
+    major, minor = session.run("python", "-c", PRINT_VERSION, silent=True).split()
     return int(major), int(minor)
 
 
@@ -472,10 +475,10 @@ def resolve(session: nox.Session) -> None:
             del sets["demo"]
         for name, requirements in sets.items():
             report = tmp / f"resolve-{name}-{python}.json"
+            # No config file: pip reads PIP_CONFIG_FILE even under --isolated, which skips only the user's files.
             session.run("python", "-m", "pip", *target, "install", "--isolated", "--dry-run", "--ignore-installed",
                         "--quiet", "--index-url", PYPI, *source, "-c", CONSTRAINTS, "--report", str(report),
                         *requirements, env={"PIP_CONFIG_FILE": os.devnull})  # fmt: skip
-            # pip reads PIP_CONFIG_FILE even under --isolated, which skips only the user's files
             chosen = {
                 i["metadata"]["name"].lower(): i["metadata"]["version"]
                 for i in json.loads(report.read_text())["install"]
@@ -499,8 +502,7 @@ def _interpreter(python: str) -> str | None:
         if exe is None:
             continue
         try:
-            ran = subprocess.run([exe, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True,
-                                 text=True, timeout=60)  # fmt: skip
+            ran = subprocess.run([exe, "-c", PRINT_VERSION], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if ran.returncode == 0 and ran.stdout.split() == python.split("."):
