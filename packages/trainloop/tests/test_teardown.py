@@ -71,3 +71,11 @@ def test_a_port_taken_before_the_bind_is_replaced_by_another(monkeypatch, taken)
             dist.destroy_process_group()
         for s in listeners:
             s.close()
+
+
+def test_the_teardown_waits_for_a_gloo_worker_still_running_python(tmp_path):
+    """A rank whose gloo worker runs Python (here a collective's callback, computing for a second) when the script
+    ends must exit cleanly after the worker is done: the atexit teardown waits until the workers are idle."""
+    run("late_release.py", {"run_dir": str(tmp_path), "busy_s": 1.0}, nproc=2)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"released_{rank}.json").read_text()) == {"thread": distributed.GLOO_WORKER}

@@ -327,7 +327,10 @@ def run_eval(args: argparse.Namespace) -> int:
         )  # fmt: skip
     finally:
         if world_size > 1 and dist.is_initialized():
+            from trainloop.distributed import wait_for_idle_gloo_workers
+
             dist.destroy_process_group()
+            wait_for_idle_gloo_workers()  # nothing left for a gloo worker to free while the interpreter finalises
     check_finite(result, model, checkpoint, args.dtype)  # every rank: they all hold the all-reduced figures
     if rank != 0:
         return 0

@@ -101,16 +101,69 @@ def teardown_distributed() -> None:
     """Destroy the process group that :func:`setup_distributed` initialised; a no-op otherwise, and when called twice.
 
     It first waits until no collective's worker thread still holds one of trainloop's buffers (see ``_BUFFERS``),
-    so that nothing is left for a worker to free while the interpreter finalises. ``Trainer.close()`` calls this;
-    it is also registered with ``atexit`` (which runs while the interpreter is still whole) for scripts that never
-    close their Trainer. The gloo threads themselves may outlive it: a DistributedDataParallel wrapper keeps its
-    group alive in C++ after the group is destroyed, and they end with the process.
+    then, the group destroyed, until every gloo worker thread is idle (see :func:`wait_for_idle_gloo_workers`), so
+    that nothing is left for a worker to free while the interpreter finalises: not trainloop's buffers, nor the
+    temporaries of torch's own collectives (FSDP's reduce-scatters and all-gathers, distributed checkpoint's).
+    ``Trainer.close()`` calls this; it is also registered with ``atexit`` (which runs while the interpreter is still
+    whole) for scripts that never close their Trainer. The gloo threads themselves may outlive it: a module wrapped
+    by DistributedDataParallel or FSDP keeps its group alive in C++ after the group is destroyed, and they end with
+    the process.
     """
     global _owned
     if _owned and dist.is_available() and dist.is_initialized():
         _release_buffers()
         dist.destroy_process_group()
+        wait_for_idle_gloo_workers()
     _owned = False
+
+
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each gloo process group's worker threads (Linux)
+_IDLE_WAIT_S = 30.0  # wait_for_idle_gloo_workers' bound
+_IDLE_LOOK_S = 0.01  # and the time between its looks
+
+
+def _gloo_workers() -> dict[str, tuple[str, ...]]:
+    """Each gloo worker thread of this process: its scheduler state and context-switch counts (Linux's /proc);
+    nothing where /proc is missing."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    found = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # the thread ended between the listing and the read
+        if fields.get("Name", "").strip() == GLOO_WORKER:
+            keys = ("State", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")
+            found[tid] = tuple(fields.get(k, "").strip() for k in keys)
+    return found
+
+
+def wait_for_idle_gloo_workers(timeout_s: float = _IDLE_WAIT_S) -> bool:
+    """Wait until every gloo worker thread of this process is idle; True when they are (or there are none), False
+    after ``timeout_s``.
+
+    A worker lets go of a finished collective's tensors a moment after the caller's ``wait()`` returned, and when
+    that frees a tensor's Python object it needs the GIL; should the interpreter be finalising by then (a loaded
+    machine can hold the thread back that long), the thread is made to exit inside a C++ destructor and the process
+    aborts ("terminate called without an active exception"). This sleeps between looks, so the GIL is free for such
+    a thread, and returns once two looks ``_IDLE_LOOK_S`` apart find every worker asleep (state S) with the same
+    context-switch counts: a worker that wanted the GIL would have taken it and run in between. Where /proc is
+    missing (not Linux) it returns at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while True:
+        now = _gloo_workers()
+        if not now or (now == previous and all(state.startswith("S") for state, *_ in now.values())):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        previous = now
+        time.sleep(_IDLE_LOOK_S)
 
 
 def _free_port() -> int:
